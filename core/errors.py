@@ -1,0 +1,37 @@
+"""Errors a user can cause; each message says what went wrong and what to do."""
+
+
+class CorralError(Exception):
+    """Base class of every error corral raises on purpose."""
+
+
+class GGUFError(CorralError):
+    """The file is not a readable GGUF model."""
+
+
+class NotGGUFError(GGUFError):
+    """The file does not start with the GGUF magic."""
+
+
+class TruncatedGGUFError(GGUFError):
+    """The file ends before its header or tensor data says it should."""
+
+
+class UnknownArchitectureError(CorralError):
+    """No installed plugin provides the file's architecture."""
+
+
+class MissingTensorError(CorralError):
+    """A tensor the architecture needs is not in the file."""
+
+
+class UnsupportedTensorTypeError(CorralError):
+    """The backend has no way to load a tensor of this GGML type."""
+
+
+class ModelNotFoundError(CorralError):
+    """No model of that name is in the store and none can be pulled."""
+
+
+class InvalidModelNameError(CorralError):
+    """A model name or blob digest that could reach outside the store."""
