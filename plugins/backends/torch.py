@@ -1,0 +1,230 @@
+"""The PyTorch backend: CPU and CUDA.
+
+Weights (precision "auto"): Q4_0, Q4_1 and Q4_K linears stay 4-bit, packed for torch's int4
+group-32 kernel with bf16 activations; every other type is dequantized once at load to the compute
+dtype (bf16 on CPU's AVX-512-bf16 and on CUDA). Precision "fp32" dequantizes everything to float32:
+the reference mode. The residual stream, norms and rope run in float32 either way.
+
+Graphs are recorded as a list of (function, arguments) nodes and run eagerly by `compute()`; the
+recording is what lets a later step compile or replay decode-shaped graphs without model changes.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable, Sequence
+
+import attrs
+import numpy as np
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType as Q
+
+from corral.errors import UnsupportedTensorTypeError
+from corral.gguf import GGUFFile, TensorInfo
+from corral.hookspecs import hookimpl
+from corral.plugins.backends import torch_quant
+
+INT4_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q4_K})
+PRECISIONS = ("auto", "fp32")
+
+
+@hookimpl
+def register_backends(register):
+    register("torch", TorchBackend)
+
+
+@attrs.frozen
+class Int4Weight:
+    """A linear weight kept 4-bit: torch's packed int4 layout plus per-group scales and zeros."""
+
+    packed: torch.Tensor
+    scales_and_zeros: torch.Tensor
+    out_features: int
+    in_features: int
+
+
+def _raw_tensor(gguf: GGUFFile, info: TensorInfo) -> torch.Tensor:
+    with warnings.catch_warnings():
+        # The mapping is read-only; conversions below always produce new tensors.
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(gguf.raw(info.name))
+
+
+class TorchBackend:
+    """Loads GGUF tensors into torch layouts and runs recorded graphs."""
+
+    name = "torch"
+
+    def __init__(self, device: str | None = None, precision: str = "auto"):
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, not {precision!r}")
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.precision = precision
+        self.compute_dtype = torch.float32 if precision == "fp32" else torch.bfloat16
+        self.kv_dtype = self.compute_dtype
+
+    def load_tensor(self, gguf: GGUFFile, info: TensorInfo, role: str) -> Any:
+        """Convert one GGUF tensor for `role` ("linear", "embedding" or "vector")."""
+        if info.qtype not in torch_quant.DEQUANTIZERS:
+            raise UnsupportedTensorTypeError(
+                f"{gguf.path}: tensor '{info.name}' has type {getattr(info.qtype, 'name', info.qtype)}, which the "
+                f"torch backend cannot load (it loads {', '.join(t.name for t in torch_quant.DEQUANTIZERS)})"
+            )
+        raw = _raw_tensor(gguf, info)
+        cols = info.shape[-1]
+        if role == "linear" and self._keeps_int4(info):
+            codes, scales, zeros = torch_quant.int4_codes(raw, info.qtype, cols)
+            return self._pack_int4(codes, scales, zeros)
+        dtype = torch.float32 if role == "vector" else self.compute_dtype
+        dense = torch_quant.dequantize(raw, info.qtype, cols, dtype=dtype)
+        return dense.reshape(info.shape).to(self.device)
+
+    def _keeps_int4(self, info: TensorInfo) -> bool:
+        return self.precision == "auto" and info.qtype in INT4_TYPES and len(info.shape) == 2
+
+    def _pack_int4(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> Int4Weight:
+        out_features, in_features = codes.shape
+        if self.device.type == "cuda":
+            packed, sz = torch_quant.pack_int4_for_cuda(codes.to(self.device), scales.to(self.device), zeros.to(self.device))
+        else:
+            packed, sz = torch_quant.pack_int4_for_cpu(codes, scales, zeros)
+        return Int4Weight(packed, sz, out_features, in_features)
+
+    def new_context(self) -> TorchContext:
+        return TorchContext(self)
+
+    def kv_buffer(self, shape: Sequence[int]) -> torch.Tensor:
+        return torch.zeros(tuple(shape), dtype=self.kv_dtype, device=self.device)
+
+    def from_numpy(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(array)).to(self.device)
+
+    def to_numpy(self, value: torch.Tensor) -> np.ndarray:
+        return value.detach().to(device="cpu", dtype=torch.float32).numpy()
+
+    def weight_bytes(self, weight: Any) -> int:
+        if isinstance(weight, Int4Weight):
+            return weight.packed.nbytes + weight.scales_and_zeros.nbytes
+        return weight.nbytes
+
+
+class Node:
+    """A recorded op's output; supports `+` and `*` for readable model code."""
+
+    __slots__ = ("ctx", "index")
+
+    def __init__(self, ctx: TorchContext, index: int):
+        self.ctx, self.index = ctx, index
+
+    def __add__(self, other: Node) -> Node:
+        return self.ctx.record(torch.add, self, other)
+
+    def __mul__(self, other: Node) -> Node:
+        return self.ctx.record(torch.mul, self, other)
+
+
+class TorchContext:
+    """Records ops as nodes; `compute()` replays them in order under inference mode."""
+
+    def __init__(self, backend: TorchBackend):
+        self.backend = backend
+        self.nodes: list[tuple[Callable, tuple]] = []
+
+    def record(self, fn: Callable, *args: Any) -> Node:
+        self.nodes.append((fn, args))
+        return Node(self, len(self.nodes) - 1)
+
+    def compute(self, *outputs: Node) -> list[torch.Tensor]:
+        values: list[Any] = []
+        with torch.inference_mode():
+            for fn, args in self.nodes:
+                values.append(fn(*(values[a.index] if isinstance(a, Node) else a for a in args)))
+        return [values[out.index] for out in outputs]
+
+    # --- ops -------------------------------------------------------------------------------
+    def input(self, values: np.ndarray) -> Node:
+        return self.record(lambda: self.backend.from_numpy(np.asarray(values, dtype=np.int64)))
+
+    def embedding(self, weight: torch.Tensor, ids: Node) -> Node:
+        return self.record(lambda w, i: F.embedding(i, w).float(), weight, ids)
+
+    def linear(self, x: Node, weight: Any, bias: Any = None) -> Node:
+        if isinstance(weight, Int4Weight):
+            return self.record(_int4_linear, x, weight, bias)
+        return self.record(_dense_linear, x, weight, bias)
+
+    def rms_norm(self, x: Node, weight: torch.Tensor, eps: float) -> Node:
+        return self.record(lambda t, w: F.rms_norm(t, (t.shape[-1],), w, eps), x, weight)
+
+    def layer_norm(self, x: Node, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> Node:
+        return self.record(lambda t, w, b: F.layer_norm(t, (t.shape[-1],), w, b, eps), x, weight, bias)
+
+    def rope(self, x: Node, positions: Node, *, dims: int, base: float, scale: float = 1.0, neox: bool) -> Node:
+        return self.record(_rope, x, positions, dims, base, scale, neox)
+
+    def attention(self, q: Node, k: Node, v: Node, cache: Any, layer: int, scale: float) -> Node:
+        return self.record(_attention, q, k, v, cache, layer, scale)
+
+    def reshape(self, x: Node, shape: Sequence[int]) -> Node:
+        return self.record(torch.reshape, x, tuple(shape))
+
+    def rows(self, x: Node, indices: Node) -> Node:
+        return self.record(torch.index_select, x, 0, indices)
+
+    def scale(self, x: Node, factor: float) -> Node:
+        return self.record(torch.mul, x, factor)
+
+    def silu(self, x: Node) -> Node:
+        return self.record(F.silu, x)
+
+    def gelu(self, x: Node, approximate: str = "tanh") -> Node:
+        return self.record(lambda t: F.gelu(t, approximate=approximate), x)
+
+
+def _dense_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    y = F.linear(x.to(w.dtype), w).float()
+    return y if bias is None else y + bias
+
+
+def _int4_linear(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    xb = x.to(torch.bfloat16)
+    if xb.device.type == "cuda":
+        y = torch.ops.aten._weight_int4pack_mm(xb, w.packed, torch_quant.GROUP_SIZE, w.scales_and_zeros)
+    else:
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, w.packed, torch_quant.GROUP_SIZE, w.scales_and_zeros)
+    y = y.float()
+    return y if bias is None else y + bias
+
+
+def _rope(x: torch.Tensor, positions: torch.Tensor, dims: int, base: float, scale: float, neox: bool) -> torch.Tensor:
+    # x: [n, heads, head_dim]; only the first `dims` features rotate.
+    inv_freq = 1.0 / (base ** (torch.arange(0, dims, 2, device=x.device, dtype=torch.float32) / dims))
+    angles = (positions.float() * scale)[:, None] * inv_freq[None, :]  # [n, dims/2]
+    cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
+    rot, rest = x[..., :dims], x[..., dims:]
+    if neox:
+        a, b = rot[..., : dims // 2], rot[..., dims // 2 :]
+        out = torch.cat((a * cos - b * sin, a * sin + b * cos), dim=-1)
+    else:
+        pairs = rot.unflatten(-1, (dims // 2, 2))
+        a, b = pairs[..., 0], pairs[..., 1]
+        out = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
+    return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Any, layer: int, scale: float) -> torch.Tensor:
+    keys, values = cache.keys(layer), cache.values(layer)  # [kv_heads, cells, dim]
+    keys.index_copy_(1, cache.slots, k.transpose(0, 1).to(keys.dtype))
+    values.index_copy_(1, cache.slots, v.transpose(0, 1).to(values.dtype))
+    used = cache.used
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0).to(keys.dtype),
+        keys[:, :used].unsqueeze(0),
+        values[:, :used].unsqueeze(0),
+        attn_mask=cache.mask(layer),
+        scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )
+    n = q.shape[0]
+    return out[0].transpose(0, 1).reshape(n, -1).float()
