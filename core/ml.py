@@ -54,6 +54,9 @@ class Context(Protocol):
     def rows(self, x: Tensor, indices: Tensor) -> Tensor:
         """Select rows of a 2-D tensor."""
 
+    def split(self, x: Tensor, sizes: Sequence[int], dim: int = -1) -> tuple[Tensor, ...]:
+        """Cut x along `dim` into consecutive parts of `sizes` (a fused QKV projection into q, k, v)."""
+
     def scale(self, x: Tensor, factor: float) -> Tensor: ...
 
     def silu(self, x: Tensor) -> Tensor: ...

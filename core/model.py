@@ -17,7 +17,7 @@ from typing import Any, ClassVar, Sequence
 import attrs
 import numpy as np
 
-from corral.errors import MissingTensorError
+from corral.errors import GGUFError, MissingTensorError
 from corral.gguf import GGUFFile
 
 _GGUF_KEY = "corral.gguf_key"
@@ -75,7 +75,7 @@ def config_from_gguf(config_cls: type, gguf: GGUFFile, arch: str) -> Any:
         if full in gguf.metadata:
             values[field.name] = gguf.metadata[full]
         elif field.default is attrs.NOTHING:
-            raise MissingTensorError(f"{gguf.path}: metadata key '{full}' is missing; {arch} needs it")
+            raise GGUFError(f"{gguf.path}: metadata key '{full}' is missing; the {arch} architecture needs it")
     return config_cls(**values)
 
 

@@ -80,15 +80,16 @@ def test_smollm2_answers_the_capital_of_france(loaded):
     assert "Paris" in answer
 
 
-def test_gemma3_answers_the_capital_of_france(loaded):
-    answer = "".join(loaded("gemma3", "auto").generate("What is the capital of France?", max_tokens=24))
-    assert "Paris" in answer
+def test_gemma3_continues_code(loaded):
+    # The packaged gemma3 270m is the base model: it completes text rather than chatting.
+    text = "".join(loaded("gemma3", "auto").generate("def fibonacci(n):", max_tokens=16, raw=True))
+    assert "return" in text
 
 
 def test_generation_stops_at_max_tokens(loaded):
     model = loaded("smollm2", "auto")
-    pieces = list(model.generate("Count from one to one hundred in words.", max_tokens=5, raw=True))
-    assert 0 < len(model.tokenize("".join(pieces), add_special=False)) <= 6
+    pieces = list(model.generate("The capital of France is", max_tokens=3, raw=True))
+    assert len(model.tokenize("".join(pieces), add_special=False)) == 3
 
 
 @pytest.mark.parametrize(

@@ -1,9 +1,12 @@
 """The PyTorch backend: CPU and CUDA.
 
 Weights (precision "auto"): Q4_0, Q4_1 and Q4_K linears stay 4-bit, packed for torch's int4
-group-32 kernel with bf16 activations; every other type is dequantized once at load to the compute
-dtype (bf16 on CPU's AVX-512-bf16 and on CUDA). Precision "fp32" dequantizes everything to float32:
-the reference mode. The residual stream, norms and rope run in float32 either way.
+group-32 kernel with bf16 activations; every other type (Q5_0, Q6_K, Q8_0, F16, ...) is dequantized
+once at load to the dense dtype. On CPU that is float32: measured here, torch's bf16 GEMM is no
+faster than fp32 at batch 1 and 2-4x slower for a 512-token prefill, and its bf16 output rounds
+logits to 1/8 at magnitude 20, enough to flip near-tie argmaxes (BENCHMARKS.md). On CUDA it is
+bf16. Precision "fp32" dequantizes everything to float32: the reference mode. The residual
+stream, norms and rope run in float32 either way.
 
 Graphs are recorded as a list of (function, arguments) nodes and run eagerly by `compute()`; the
 recording is what lets a later step compile or replay decode-shaped graphs without model changes.
@@ -11,6 +14,7 @@ recording is what lets a later step compile or replay decode-shaped graphs witho
 
 from __future__ import annotations
 
+import operator
 import warnings
 from typing import Any, Callable, Sequence
 
@@ -61,8 +65,9 @@ class TorchBackend:
             raise ValueError(f"precision must be one of {PRECISIONS}, not {precision!r}")
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.precision = precision
-        self.compute_dtype = torch.float32 if precision == "fp32" else torch.bfloat16
-        self.kv_dtype = self.compute_dtype
+        reference = precision == "fp32"
+        self.dense_dtype = torch.bfloat16 if self.device.type == "cuda" and not reference else torch.float32
+        self.kv_dtype = torch.float32 if reference else torch.bfloat16
 
     def load_tensor(self, gguf: GGUFFile, info: TensorInfo, role: str) -> Any:
         """Convert one GGUF tensor for `role` ("linear", "embedding" or "vector")."""
@@ -76,12 +81,16 @@ class TorchBackend:
         if role == "linear" and self._keeps_int4(info):
             codes, scales, zeros = torch_quant.int4_codes(raw, info.qtype, cols)
             return self._pack_int4(codes, scales, zeros)
-        dtype = torch.float32 if role == "vector" else self.compute_dtype
+        dtype = torch.float32 if role == "vector" else self.dense_dtype
         dense = torch_quant.dequantize(raw, info.qtype, cols, dtype=dtype)
         return dense.reshape(info.shape).to(self.device)
 
     def _keeps_int4(self, info: TensorInfo) -> bool:
-        return self.precision == "auto" and info.qtype in INT4_TYPES and len(info.shape) == 2
+        if self.precision != "auto" or info.qtype not in INT4_TYPES or len(info.shape) != 2:
+            return False
+        # The packed kernels tile output rows by 16 on CPU and 8 on CUDA; others are dequantized.
+        rows_multiple = 8 if self.device.type == "cuda" else 16
+        return info.shape[0] % rows_multiple == 0 and info.shape[1] % torch_quant.INT4_GROUP == 0
 
     def _pack_int4(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> Int4Weight:
         out_features, in_features = codes.shape
@@ -130,6 +139,7 @@ class TorchContext:
     def __init__(self, backend: TorchBackend):
         self.backend = backend
         self.nodes: list[tuple[Callable, tuple]] = []
+        self._rope_tables: dict[tuple, Node] = {}
 
     def record(self, fn: Callable, *args: Any) -> Node:
         self.nodes.append((fn, args))
@@ -161,7 +171,11 @@ class TorchContext:
         return self.record(lambda t, w, b: F.layer_norm(t, (t.shape[-1],), w, b, eps), x, weight, bias)
 
     def rope(self, x: Node, positions: Node, *, dims: int, base: float, scale: float = 1.0, neox: bool) -> Node:
-        return self.record(_rope, x, positions, dims, base, scale, neox)
+        # Every layer rotates by the same positions: build each cos/sin table once per graph.
+        key = (positions.index, dims, base, scale)
+        if key not in self._rope_tables:
+            self._rope_tables[key] = self.record(_rope_table, positions, dims, base, scale)
+        return self.record(_rope, x, self._rope_tables[key], dims, neox)
 
     def attention(self, q: Node, k: Node, v: Node, cache: Any, layer: int, scale: float) -> Node:
         return self.record(_attention, q, k, v, cache, layer, scale)
@@ -171,6 +185,10 @@ class TorchContext:
 
     def rows(self, x: Node, indices: Node) -> Node:
         return self.record(torch.index_select, x, 0, indices)
+
+    def split(self, x: Node, sizes: Sequence[int], dim: int = -1) -> tuple[Node, ...]:
+        parts = self.record(torch.split, x, list(sizes), dim)
+        return tuple(self.record(operator.getitem, parts, i) for i in range(len(sizes)))
 
     def scale(self, x: Node, factor: float) -> Node:
         return self.record(torch.mul, x, factor)
@@ -190,18 +208,22 @@ def _dense_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -
 def _int4_linear(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None) -> torch.Tensor:
     xb = x.to(torch.bfloat16)
     if xb.device.type == "cuda":
-        y = torch.ops.aten._weight_int4pack_mm(xb, w.packed, torch_quant.GROUP_SIZE, w.scales_and_zeros)
+        y = torch.ops.aten._weight_int4pack_mm(xb, w.packed, torch_quant.INT4_GROUP, w.scales_and_zeros)
     else:
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, w.packed, torch_quant.GROUP_SIZE, w.scales_and_zeros)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, w.packed, torch_quant.INT4_GROUP, w.scales_and_zeros)
     y = y.float()
     return y if bias is None else y + bias
 
 
-def _rope(x: torch.Tensor, positions: torch.Tensor, dims: int, base: float, scale: float, neox: bool) -> torch.Tensor:
-    # x: [n, heads, head_dim]; only the first `dims` features rotate.
-    inv_freq = 1.0 / (base ** (torch.arange(0, dims, 2, device=x.device, dtype=torch.float32) / dims))
+def _rope_table(positions: torch.Tensor, dims: int, base: float, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / (base ** (torch.arange(0, dims, 2, device=positions.device, dtype=torch.float32) / dims))
     angles = (positions.float() * scale)[:, None] * inv_freq[None, :]  # [n, dims/2]
-    cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
+    return angles.cos()[:, None, :], angles.sin()[:, None, :]
+
+
+def _rope(x: torch.Tensor, table: tuple[torch.Tensor, torch.Tensor], dims: int, neox: bool) -> torch.Tensor:
+    # x: [n, heads, head_dim]; only the first `dims` features rotate.
+    cos, sin = table
     rot, rest = x[..., :dims], x[..., dims:]
     if neox:
         a, b = rot[..., : dims // 2], rot[..., dims // 2 :]

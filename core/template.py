@@ -1,0 +1,146 @@
+"""Chat templates: the model's `tokenizer.chat_template` rendered as Hugging Face does, or a built-in one.
+
+BOS contract (the llama.cpp / Ollama behaviour): `ChatTemplate.render` never starts with the BOS
+token's text. Encode its output with `Tokenizer.encode(text, add_special=True, parse_special=True)`,
+which adds BOS where the model wants it. A file template that writes ``{{ bos_token }}`` itself has
+that leading BOS cut from its output when the tokenizer adds one, exactly as llama.cpp does, so a
+prompt never starts with two.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.resources
+import json
+from typing import Any
+
+import attrs
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+import jinja2.parser
+import jinja2.sandbox
+
+from corral.errors import CorralError
+from corral.tokenizer import adds_bos
+
+GEMMA_FAMILY = frozenset({"gemma", "gemma2", "gemma3", "gemma3n"})
+
+CHATML = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' }}{{ message['content'] or '' }}{{ '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+class TemplateError(CorralError):
+    """A chat template that does not compile, or that fails on the messages it is given."""
+
+
+@attrs.frozen
+class ChatTemplate:
+    """A compiled Jinja chat template with the special-token text it is rendered with."""
+
+    source: str
+    bos_token: str = ""
+    eos_token: str = ""
+    strip_bos: bool = False
+    _template: jinja2.Template = attrs.field(init=False, repr=False, eq=False)
+
+    @_template.default
+    def _compile_source(self) -> jinja2.Template:
+        return _compile(self.source)
+
+    @classmethod
+    def from_metadata(cls, metadata: dict[str, Any], architecture: str) -> ChatTemplate:
+        """The file's chat template, else the built-in one for the architecture's family (ChatML last)."""
+        source = metadata.get("tokenizer.chat_template") or builtin_source(architecture)
+        tokens = metadata.get("tokenizer.ggml.tokens") or []
+        return cls(
+            source,
+            bos_token=_token_text(tokens, metadata.get("tokenizer.ggml.bos_token_id")),
+            eos_token=_token_text(tokens, metadata.get("tokenizer.ggml.eos_token_id")),
+            strip_bos=adds_bos(metadata),
+        )
+
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        **extra: Any,
+    ) -> str:
+        """The prompt text for `messages`, ending with the assistant's turn opener when asked."""
+        context = {
+            "bos_token": self.bos_token,
+            "eos_token": self.eos_token,
+            **extra,
+            "messages": messages,
+            "tools": tools,
+            "add_generation_prompt": add_generation_prompt,
+        }
+        try:
+            text = self._template.render(context)
+        except TemplateError:
+            raise
+        except jinja2.TemplateError as exc:
+            raise TemplateError(f"the chat template failed: {exc}") from exc
+        except (TypeError, ValueError, LookupError, AttributeError, ArithmeticError) as exc:
+            raise TemplateError(f"the chat template failed on these messages: {exc!r}") from exc
+        if self.strip_bos and self.bos_token and text.startswith(self.bos_token):
+            text = text[len(self.bos_token) :]
+        return text
+
+
+def builtin_source(architecture: str) -> str:
+    """The built-in template for an architecture: Gemma's turns for the gemma family, else ChatML."""
+    if architecture in GEMMA_FAMILY:
+        return (importlib.resources.files("corral") / "templates" / "gemma.jinja").read_text(encoding="utf-8")
+    return CHATML
+
+
+class _GenerationBlock(jinja2.ext.Extension):
+    """Accepts Hugging Face's ``{% generation %}`` block (a training-mask marker) and renders its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> list[jinja2.nodes.Node]:
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
+def _raise_exception(message: str) -> None:
+    raise TemplateError(f"the chat template rejected the messages: {message}")
+
+
+def _tojson(value: Any, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    # Hugging Face's tojson: plain json.dumps, without Jinja's HTML escaping of <, > and &.
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(format: str) -> str:
+    return datetime.datetime.now().strftime(format)
+
+
+def _environment() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, _GenerationBlock]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+def _compile(source: str) -> jinja2.Template:
+    try:
+        return _environment().from_string(source)
+    except jinja2.TemplateError as exc:
+        raise TemplateError(f"the chat template does not compile: {exc}") from exc
+
+
+def _token_text(tokens: list[str], token_id: int | None) -> str:
+    return tokens[token_id] if token_id is not None and 0 <= token_id < len(tokens) else ""
