@@ -62,7 +62,7 @@ def list_models() -> None:
 
     table = Table("NAME", "ID", "SIZE", "MODIFIED", box=None)
     for entry in store.default_store().list():
-        table.add_row(entry.name, entry.digest.removeprefix("sha256:")[:12], _size(entry.size), str(entry.modified_at)[:19])
+        table.add_row(str(entry.name), entry.digest.removeprefix("sha256:")[:12], _size(entry.size), str(entry.modified_at)[:19])
     console.print(table)
 
 
@@ -94,8 +94,8 @@ def run(model: str, prompt: str | None, temperature: float, max_tokens: int, see
     from corral.engine import load_model
 
     loaded = load_model(model, precision=precision)
-    if prompt is None and not sys.stdin.isatty():
-        prompt = sys.stdin.read()
+    if prompt is None and not stdin_is_interactive():
+        prompt = sys.stdin.read().strip()  # piped input is the prompt, as with `ollama run`
     if prompt is not None:
         _answer(loaded, [{"role": "user", "content": prompt}], temperature, max_tokens, seed, verbose)
         return
@@ -111,6 +111,11 @@ def run(model: str, prompt: str | None, temperature: float, max_tokens: int, see
             continue
         history.append({"role": "user", "content": line})
         history.append({"role": "assistant", "content": _answer(loaded, history, temperature, max_tokens, seed, verbose)})
+
+
+def stdin_is_interactive() -> bool:
+    """Whether a person is typing (so `run` without a prompt starts a chat)."""
+    return sys.stdin.isatty()
 
 
 def _answer(loaded, messages: list[dict], temperature: float, max_tokens: int, seed: int | None, verbose: bool) -> str:
