@@ -8,6 +8,7 @@ The Trio runtime builds on the same pieces (model, backend, cache, tokenizer, te
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import pathlib
 import time
@@ -72,12 +73,14 @@ def resolve_model_path(name_or_path: str | os.PathLike) -> pathlib.Path:
 class LoadedModel:
     """A model bound to a backend, with its tokenizer and chat template."""
 
-    def __init__(self, path: pathlib.Path, gguf: GGUFFile, model: Any, backend: Any, load_seconds: float):
+    def __init__(
+        self, path: pathlib.Path, gguf: GGUFFile, model: Any, backend: Any, tokenizer: Tokenizer, load_seconds: float
+    ):
         self.path = path
         self.gguf = gguf
         self.model = model
         self.backend = backend
-        self.tokenizer = Tokenizer.from_gguf(gguf.metadata)
+        self.tokenizer = tokenizer
         self.template = ChatTemplate.from_metadata(gguf.metadata, gguf.architecture)
         self.info = ModelInfo(
             architecture=gguf.architecture,
@@ -209,5 +212,9 @@ def load_model(
     if backend not in backends:
         raise CorralError(f"backend '{backend}' is not installed (installed: {', '.join(sorted(backends))})")
     tensor_backend = backends[backend](device=device, precision=precision)
-    model = architectures[arch].from_gguf(gguf, tensor_backend)
-    return LoadedModel(path, gguf, model, tensor_backend, time.perf_counter() - start)
+    # The tokenizer (pure Python, ~1 s for a 262k vocabulary) builds while torch converts weights.
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        tokenizer = pool.submit(Tokenizer.from_gguf, gguf.metadata)
+        model = architectures[arch].from_gguf(gguf, tensor_backend)
+        tokenizer = tokenizer.result()
+    return LoadedModel(path, gguf, model, tensor_backend, tokenizer, time.perf_counter() - start)

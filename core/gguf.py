@@ -39,6 +39,9 @@ _SCALAR_FORMATS = {
 }
 
 
+_U64 = struct.Struct("<Q")
+
+
 @attrs.frozen
 class TensorInfo:
     """Where one tensor lives in the file; `shape` is in torch order (outermost first)."""
@@ -71,13 +74,15 @@ class _Cursor:
         return value
 
     def string(self) -> str:
-        length = self.take("<Q")
-        end = self.pos + length
+        start = self.pos + 8
+        if start > len(self.buf):
+            raise TruncatedGGUFError(f"{self.path}: file ends inside the GGUF header (truncated download?)")
+        (length,) = _U64.unpack_from(self.buf, self.pos)
+        end = start + length
         if end > len(self.buf):
             raise TruncatedGGUFError(f"{self.path}: file ends inside the GGUF header (truncated download?)")
-        raw = bytes(self.buf[self.pos : end])
         self.pos = end
-        return raw.decode("utf-8", errors="replace")
+        return str(self.buf[start:end], "utf-8", errors="replace")
 
     def value(self, vtype: int) -> Any:
         try:
@@ -102,6 +107,8 @@ class _Cursor:
             values = np.frombuffer(self.buf, dtype=np.dtype(fmt), count=count, offset=self.pos).tolist()
             self.pos += size
             return values
+        if item_type == GGUFValueType.STRING:
+            return [self.string() for _ in range(count)]
         return [self.value(item_type) for _ in range(count)]
 
 
