@@ -49,6 +49,12 @@ class Context(Protocol):
     def attention(self, q: Tensor, k: Tensor, v: Tensor, cache: Any, layer: int, scale: float) -> Tensor:
         """Write k, v [n, kv_heads, d] into the cache and attend q [n, heads, d] -> [n, heads * dv]."""
 
+    def cached_keys(self, keys: Any, cells: Tensor) -> Tensor:
+        """Keys stored in a cache buffer at `cells`, as [n, kv_heads, dim]."""
+
+    def store_keys(self, keys: Any, cells: Tensor, new: Tensor) -> Tensor:
+        """Overwrite a cache buffer's keys at `cells` with `new` [n, kv_heads, dim]."""
+
     def reshape(self, x: Tensor, shape: Sequence[int]) -> Tensor: ...
 
     def rows(self, x: Tensor, indices: Tensor) -> Tensor:

@@ -157,3 +157,7 @@ class Model:
     def forward(self, ctx: Any, batch: Batch, cache: Any) -> Any:
         """Build the graph for `batch` and return the logits of `batch.outputs` rows [k, vocab]."""
         raise NotImplementedError
+
+    def shift_keys(self, ctx: Any, layer: int, keys: Any, delta: Any) -> Any:
+        """Re-rotate cached keys [n, kv_heads, dim] of `layer` by `delta` positions (context shift)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot shift its cache; generation ends at num_ctx")

@@ -41,6 +41,11 @@ class Gemma3Config:
     def is_sliding(self, layer: int) -> bool:
         return layer % SLIDING_PATTERN < SLIDING_PATTERN - 1
 
+    def rope(self, layer: int) -> dict:
+        if self.is_sliding(layer):
+            return dict(dims=self.key_length, base=LOCAL_ROPE_BASE, scale=1.0, neox=True)
+        return dict(dims=self.key_length, base=self.rope_base, scale=1.0 / self.rope_scaling_factor, neox=True)
+
 
 @attrs.frozen
 class Gemma3Block:
@@ -65,11 +70,7 @@ class Gemma3Block:
         k = ctx.reshape(self.attn_k(ctx, h), (-1, cfg.head_count_kv, cfg.key_length))
         v = ctx.reshape(self.attn_v(ctx, h), (-1, cfg.head_count_kv, cfg.value_length))
         q, k = self.attn_q_norm(ctx, q, eps), self.attn_k_norm(ctx, k, eps)
-        if cfg.is_sliding(layer):
-            rope = dict(dims=cfg.key_length, base=LOCAL_ROPE_BASE, scale=1.0, neox=True)
-        else:
-            rope = dict(dims=cfg.key_length, base=cfg.rope_base, scale=1.0 / cfg.rope_scaling_factor, neox=True)
-        q, k = ctx.rope(q, positions, **rope), ctx.rope(k, positions, **rope)
+        q, k = ctx.rope(q, positions, **cfg.rope(layer)), ctx.rope(k, positions, **cfg.rope(layer))
         attn = ctx.attention(q, k, v, cache, layer, 1.0 / math.sqrt(cfg.key_length))
         x = x + self.post_attention_norm(ctx, self.attn_output(ctx, attn), eps)
         h = self.ffn_norm(ctx, x, eps)
@@ -101,6 +102,9 @@ class Gemma3Model(Model):
             CacheLayer(cfg.head_count_kv, cfg.key_length, cfg.value_length, cfg.sliding_window if cfg.is_sliding(i) else None)
             for i in range(cfg.block_count)
         ]
+
+    def shift_keys(self, ctx, layer, keys, delta):
+        return ctx.rope(keys, delta, **self.config.rope(layer))
 
     def forward(self, ctx, batch: Batch, cache):
         cfg = self.config

@@ -41,6 +41,9 @@ class LlamaConfig:
     def kv_heads(self) -> int:
         return self.head_count_kv or self.head_count
 
+    def rope(self) -> dict:
+        return dict(dims=self.rope_dims or self.head_dim, base=self.rope_base, scale=1.0 / self.rope_scaling_factor, neox=False)
+
 
 @attrs.frozen
 class LlamaBlock:
@@ -59,8 +62,7 @@ class LlamaBlock:
         q = ctx.reshape(self.attn_q(ctx, h), (-1, cfg.head_count, cfg.head_dim))
         k = ctx.reshape(self.attn_k(ctx, h), (-1, cfg.kv_heads, cfg.head_dim))
         v = ctx.reshape(self.attn_v(ctx, h), (-1, cfg.kv_heads, cfg.head_dim))
-        rope = dict(dims=cfg.rope_dims or cfg.head_dim, base=cfg.rope_base, scale=1.0 / cfg.rope_scaling_factor, neox=False)
-        q, k = ctx.rope(q, positions, **rope), ctx.rope(k, positions, **rope)
+        q, k = ctx.rope(q, positions, **cfg.rope()), ctx.rope(k, positions, **cfg.rope())
         attn = ctx.attention(q, k, v, cache, layer, 1.0 / math.sqrt(cfg.head_dim))
         x = x + self.attn_output(ctx, attn)
         h = self.ffn_norm(ctx, x, cfg.rms_eps)
@@ -88,6 +90,9 @@ class LlamaModel(Model):
     def cache_layers(self):
         cfg = self.config
         return [CacheLayer(cfg.kv_heads, cfg.head_dim, cfg.head_dim) for _ in self.blocks]
+
+    def shift_keys(self, ctx, layer, keys, delta):
+        return ctx.rope(keys, delta, **self.config.rope())
 
     def forward(self, ctx, batch: Batch, cache):
         positions = ctx.input(batch.positions)

@@ -180,6 +180,12 @@ class TorchContext:
     def attention(self, q: Node, k: Node, v: Node, cache: Any, layer: int, scale: float) -> Node:
         return self.record(_attention, q, k, v, cache, layer, scale)
 
+    def cached_keys(self, keys: Any, cells: Node) -> Node:
+        return self.record(_cached_keys, keys, cells)
+
+    def store_keys(self, keys: Any, cells: Node, new: Node) -> Node:
+        return self.record(_store_keys, keys, cells, new)
+
     def reshape(self, x: Node, shape: Sequence[int]) -> Node:
         return self.record(torch.reshape, x, tuple(shape))
 
@@ -237,9 +243,10 @@ def _rope(x: torch.Tensor, table: tuple[torch.Tensor, torch.Tensor], dims: int, 
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Any, layer: int, scale: float) -> torch.Tensor:
     keys, values = cache.keys(layer), cache.values(layer)  # [kv_heads, cells, dim]
-    keys.index_copy_(1, cache.slots, k.transpose(0, 1).to(keys.dtype))
-    values.index_copy_(1, cache.slots, v.transpose(0, 1).to(values.dtype))
-    used = cache.used
+    slots = cache.layer_slots(layer)
+    keys.index_copy_(1, slots, k.transpose(0, 1).to(keys.dtype))
+    values.index_copy_(1, slots, v.transpose(0, 1).to(values.dtype))
+    used = cache.layer_used(layer)
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0).to(keys.dtype),
         keys[:, :used].unsqueeze(0),
@@ -250,3 +257,12 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Any, la
     )
     n = q.shape[0]
     return out[0].transpose(0, 1).reshape(n, -1).float()
+
+
+def _cached_keys(keys: torch.Tensor, cells: torch.Tensor) -> torch.Tensor:
+    return keys.index_select(1, cells).transpose(0, 1).float()
+
+
+def _store_keys(keys: torch.Tensor, cells: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    keys.index_copy_(1, cells, new.transpose(0, 1).to(keys.dtype))
+    return keys

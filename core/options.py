@@ -1,0 +1,165 @@
+"""Request options: Ollama's `options` object, its defaults, and strict parsing of what a client sends.
+
+    opts = parse_options(body.get("options"), chain.extra_options)
+
+A wrongly typed or out-of-range value is an `InvalidOptionError`; an unknown key is ignored with a
+logged warning, unless a registered sampler declares it, in which case it lands in `Options.extra`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, Callable
+
+import attrs
+
+from corral.errors import CorralError
+
+log = logging.getLogger(__name__)
+
+# Changing one of these forces the model to be reloaded.
+LOAD_TIME_OPTIONS = ("num_ctx", "num_batch", "num_gpu", "num_thread")
+
+
+class InvalidOptionError(CorralError):
+    """A request option has the wrong type or is out of range."""
+
+
+@attrs.frozen
+class Check:
+    """A range an option must lie in: `lo <= value <= hi` (None: unbounded)."""
+
+    lo: float | None = None
+    hi: float | None = None
+    lo_exclusive: bool = False
+
+    def __call__(self, value: float) -> bool:
+        above = self.lo is None or (value > self.lo if self.lo_exclusive else value >= self.lo)
+        return above and (self.hi is None or value <= self.hi)
+
+    def describe(self) -> str:
+        lo = None if self.lo is None else f"{'>' if self.lo_exclusive else '>='} {self.lo}"
+        hi = None if self.hi is None else f"<= {self.hi}"
+        return " and ".join(part for part in (lo, hi) if part)
+
+
+def option(default: Any, kind: type | str, check: Check | None = None) -> Any:
+    return attrs.field(default=default, metadata={"kind": kind, "check": check})
+
+
+@attrs.frozen
+class Options:
+    """Every Ollama option with its default; `extra` holds the options third-party samplers declare."""
+
+    num_ctx: int | None = option(None, int, Check(1))  # None: the runtime decides (memory, Modelfile, env)
+    num_batch: int = option(512, int, Check(1))
+    num_gpu: int = option(-1, int, Check(-1))  # -1: as many layers as fit
+    num_thread: int = option(0, int, Check(0))  # 0: the runtime decides
+    num_keep: int = option(4, int, Check(-1))  # -1: the whole prompt
+    num_predict: int = option(-1, int, Check(-2))  # -1: unlimited, -2: until the context is full
+    stop: tuple[str, ...] = option((), "strings")
+    temperature: float = option(0.8, float, Check(0.0))  # 0: greedy
+    top_k: int = option(40, int, Check(0))  # 0: disabled
+    top_p: float = option(0.9, float, Check(0.0, 1.0))  # 1: disabled
+    min_p: float = option(0.0, float, Check(0.0, 1.0))  # 0: disabled
+    typical_p: float = option(1.0, float, Check(0.0, 1.0))  # 1: disabled
+    repeat_last_n: int = option(64, int, Check(-1))  # -1: num_ctx, 0: no penalties
+    repeat_penalty: float = option(1.0, float, Check(0.0, lo_exclusive=True))  # 1: disabled
+    presence_penalty: float = option(0.0, float)
+    frequency_penalty: float = option(0.0, float)
+    seed: int = option(-1, int)  # negative: random
+    extra: dict[str, Any] = attrs.field(factory=dict)
+
+    def get(self, name: str, default: Any = None) -> Any:
+        """A standard option by name, else a third-party one from `extra`, else `default`."""
+        if name in STANDARD_OPTIONS:
+            return getattr(self, name)
+        return self.extra.get(name, default)
+
+
+STANDARD_OPTIONS = {field.name: field for field in attrs.fields(Options) if field.name != "extra"}
+
+
+def parse_options(raw: dict | None, extra_fields: dict[str, tuple[type, Any]] | None = None) -> Options:
+    """Validate a request's `options` object into `Options`; `extra_fields` are the samplers' own options."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise InvalidOptionError(f"options must be an object mapping option names to values, got {_show(raw)}")
+    extra_fields = {name: spec for name, spec in (extra_fields or {}).items() if name not in STANDARD_OPTIONS}
+    values: dict[str, Any] = {}
+    extra = {name: default for name, (_kind, default) in extra_fields.items()}
+    for name, value in raw.items():
+        if value is None:  # JSON null: the default, as if the key were absent
+            continue
+        if name in STANDARD_OPTIONS:
+            field = STANDARD_OPTIONS[name]
+            values[name] = _validate(name, value, field.metadata["kind"], field.metadata["check"])
+        elif name in extra_fields:
+            extra[name] = _validate(name, value, extra_fields[name][0], None)
+        else:
+            log.warning("ignoring unknown option %r", name)
+    return Options(**values, extra=extra)
+
+
+def _validate(name: str, value: Any, kind: type | str, check: Check | None) -> Any:
+    converted = CONVERTERS.get(kind, _instance_of(kind))(value)
+    if converted is _INVALID:
+        raise InvalidOptionError(f"option {name!r} must be {_describe(kind)}, got {_show(value)}")
+    if check is not None and not check(converted):
+        raise InvalidOptionError(f"option {name!r} must be {check.describe()}, got {value!r}")
+    return converted
+
+
+_INVALID = object()
+
+
+def _to_int(value: Any) -> Any:
+    # bool is an int subclass in Python, but `true` is not a number in JSON. A float is accepted only
+    # when it is integral (40.0), since some JSON encoders write every number as a float.
+    if isinstance(value, bool):
+        return _INVALID
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return _INVALID
+
+
+def _to_float(value: Any) -> Any:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return _INVALID
+    return float(value) if math.isfinite(value) else _INVALID
+
+
+def _to_strings(value: Any) -> Any:
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, (list, tuple)) and all(isinstance(item, str) for item in value):
+        return tuple(value)
+    return _INVALID
+
+
+def _instance_of(kind: type) -> Callable[[Any], Any]:
+    return lambda value: value if isinstance(value, kind) else _INVALID
+
+
+CONVERTERS: dict[type | str, Callable[[Any], Any]] = {
+    int: _to_int,
+    float: _to_float,
+    "strings": _to_strings,
+    bool: _instance_of(bool),
+    str: _instance_of(str),
+}
+
+_DESCRIPTIONS = {int: "an integer", float: "a number", "strings": "a string or a list of strings", bool: "true or false", str: "a string"}
+
+
+def _describe(kind: type | str) -> str:
+    return _DESCRIPTIONS.get(kind) or f"of type {getattr(kind, '__name__', kind)}"
+
+
+def _show(value: Any) -> str:
+    shown = repr(value)
+    return f"{type(value).__name__} {shown[:60] + '...' if len(shown) > 60 else shown}"

@@ -1,0 +1,208 @@
+"""The sampler chain: named steps from plugins, applied in logit space to a batch of rows, then a draw.
+
+A step is a class registered through the `register_samplers` hook:
+
+    class BanToken:
+        order = 15                                  # its place in the chain, lowest first
+        options = {"ban_token": (int, -1)}          # option keys it reads: (type, default)
+
+        @classmethod
+        def active(cls, options) -> bool:           # does this row need the step?
+            return options.get("ban_token", -1) >= 0
+
+        def apply(self, logits, params):            # [b, V] float32 -> [b, V]; mask with -inf
+            return logits.scatter(1, params.tensor("ban_token")[:, None], float("-inf"))
+
+`apply` only ever sees the rows for which `active` is true, and is skipped when no row needs it; it
+may modify `logits` in place. The built-in steps (plugins/samplers/standard.py) run in this order:
+
+    10 penalties   20 top_k   30 temperature   35 typical_p   40 top_p   50 min_p   -> softmax, draw
+
+Top-k, temperature, top-p and min-p follow Ollama's order, so the probability filters see the
+distribution that is actually drawn from. Every step except penalties is inactive at temperature 0,
+so a greedy row takes the argmax of the logits after penalties (and any third-party step active for it).
+
+Each sequence draws with its own `torch.Generator`, one uniform number per token, and inverts the
+CDF of its own row: a seeded sequence gives the same tokens whatever else is in the batch.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+from typing import Any, Iterable, Sequence
+
+import attrs
+import numpy as np
+import torch
+
+from corral.options import STANDARD_OPTIONS, InvalidOptionError, Options
+
+MAX_TOP_LOGPROBS = 20
+
+_DTYPES = {int: torch.int64, float: torch.float32, bool: torch.bool}
+
+
+class SequenceSampler:
+    """The sampling state of one sequence: its options, random generator and recent tokens."""
+
+    def __init__(self, options: Options, prompt: Iterable[int] = (), num_ctx: int | None = None):
+        self.options = options
+        self.generator = torch.Generator()
+        seed = options.seed if options.seed >= 0 else int.from_bytes(os.urandom(8), "little")
+        self.generator.manual_seed(seed % 2**64)
+        # The penalty window, as llama.cpp's server fills it: prompt tokens, then generated ones.
+        window = options.repeat_last_n if options.repeat_last_n >= 0 else (num_ctx or options.num_ctx)
+        self.history: collections.deque[int] = collections.deque(prompt, maxlen=window)
+
+    def accept(self, token: int) -> None:
+        """Record a token (prompt or generated) in the penalty window."""
+        self.history.append(token)
+
+    def uniform(self) -> float:
+        """One draw from U[0, 1) of this sequence's own generator."""
+        return torch.rand((), generator=self.generator, dtype=torch.float64).item()
+
+
+class BatchParams:
+    """Per-row options and token history of the rows a step is applied to, as tensors on the logits' device."""
+
+    def __init__(self, seqs: Sequence[SequenceSampler], device: torch.device, fields: dict[str, tuple[type, Any]]):
+        self.seqs = seqs
+        self.device = device
+        self.fields = fields
+        self._tensors: dict[str, torch.Tensor] = {}
+        self._history: torch.Tensor | None = None
+
+    @property
+    def options(self) -> list[Options]:
+        return [seq.options for seq in self.seqs]
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """Option `name` of every row: [b], int64 / float32 / bool after the option's type."""
+        if name not in self._tensors:
+            kind, default = self.fields.get(name, (None, None))
+            values = [seq.options.get(name, default) for seq in self.seqs]
+            self._tensors[name] = torch.tensor(values, dtype=_DTYPES.get(kind), device=self.device)
+        return self._tensors[name]
+
+    @property
+    def history(self) -> torch.Tensor:
+        """Each row's penalty window (last `repeat_last_n` tokens, prompt included): int64 [b, L], padded with -1."""
+        if self._history is None:
+            length = max((len(seq.history) for seq in self.seqs), default=0)
+            rows = np.full((len(self.seqs), length), -1, dtype=np.int64)
+            for row, seq in enumerate(self.seqs):
+                rows[row, : len(seq.history)] = seq.history
+            self._history = torch.from_numpy(rows).to(self.device)
+        return self._history
+
+    def select(self, rows: list[int]) -> BatchParams:
+        """The parameters of a subset of the rows."""
+        return BatchParams([self.seqs[row] for row in rows], self.device, self.fields)
+
+
+def sorted_candidates(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The unmasked logits of each row, largest first: (values, token ids), both [b, n].
+
+    n is the largest number of unmasked tokens in any row, so after top-k this is a small topk,
+    and only a row without top-k costs a sort of the whole vocabulary. Shorter rows are padded with -inf.
+    """
+    n = int((logits > float("-inf")).sum(dim=-1).max())
+    return torch.topk(logits, max(n, 1), dim=-1)
+
+
+def scatter_candidates(like: torch.Tensor, ids: torch.Tensor, values: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """Logits shaped like `like` holding `values` at `ids` where `keep`, -inf everywhere else."""
+    masked = values.masked_fill(~keep, float("-inf"))
+    return torch.full_like(like, float("-inf")).scatter_(1, ids, masked)
+
+
+@attrs.frozen
+class SampleResult:
+    """The chosen token of each row, its logprob, and the top alternatives asked for."""
+
+    tokens: list[int]
+    logprobs: list[float]  # log-softmax of the raw logits at the chosen token
+    top_logprobs: list[list[tuple[int, float]]]  # per row, the N most likely (token, logprob), best first
+
+
+class SamplerChain:
+    """The registered sampler steps, ordered; samples a batch of logits rows for their sequences."""
+
+    def __init__(self, plugins):
+        named = sorted(plugins.samplers().items(), key=lambda item: (item[1].order, item[0]))
+        self.steps = [(name, cls()) for name, cls in named]
+        self.fields: dict[str, tuple[type, Any]] = {
+            name: (field.metadata["kind"], field.default) for name, field in STANDARD_OPTIONS.items()
+        }
+        for _name, step in self.steps:
+            for key, spec in getattr(step, "options", {}).items():
+                self.fields.setdefault(key, spec)
+
+    @property
+    def extra_options(self) -> dict[str, tuple[type, Any]]:
+        """The options the steps declare beyond Ollama's: pass them to `parse_options`."""
+        return {name: spec for name, spec in self.fields.items() if name not in STANDARD_OPTIONS}
+
+    def process(self, logits: torch.Tensor, seqs: Sequence[SequenceSampler]) -> torch.Tensor:
+        """Run every step over the rows that need it: the final logits [B, V], -inf where masked."""
+        out = logits.float().clone()
+        params = BatchParams(seqs, out.device, self.fields)
+        for _name, step in self.steps:
+            rows = [row for row, seq in enumerate(seqs) if step.active(seq.options)]
+            if len(rows) == len(seqs):
+                out = step.apply(out, params)
+            elif rows:
+                index = torch.tensor(rows, device=out.device)
+                out[index] = step.apply(out[index], params.select(rows))
+        return out
+
+    def probabilities(self, logits: torch.Tensor, seqs: Sequence[SequenceSampler]) -> torch.Tensor:
+        """The distribution each row draws from, [B, V]; one-hot at the argmax for greedy rows."""
+        final = self.process(logits, seqs)
+        probs = torch.softmax(final, dim=-1)
+        greedy = torch.tensor([seq.options.temperature == 0 for seq in seqs], device=final.device)
+        one_hot = torch.zeros_like(probs).scatter_(1, final.argmax(dim=-1, keepdim=True), 1.0)
+        return torch.where(greedy[:, None], one_hot, probs)
+
+    def sample(
+        self, logits: torch.Tensor, seqs: Sequence[SequenceSampler], top_logprobs: list[int] | None = None
+    ) -> SampleResult:
+        """Choose one token per row of `logits` [B, V]; row i belongs to `seqs[i]` (not accepted into it)."""
+        raw = logits.float()
+        tokens = self._draw(self.process(raw, seqs), seqs)
+        norm = torch.logsumexp(raw, dim=-1)
+        chosen = raw.gather(1, tokens[:, None])[:, 0] - norm
+        return SampleResult(tokens.tolist(), chosen.tolist(), _alternatives(raw, norm, top_logprobs))
+
+    def _draw(self, final: torch.Tensor, seqs: Sequence[SequenceSampler]) -> torch.Tensor:
+        tokens = final.argmax(dim=-1)
+        rows = [row for row, seq in enumerate(seqs) if seq.options.temperature > 0]
+        if not rows:
+            return tokens
+        index = torch.tensor(rows, device=final.device)
+        # Each row's draw uses only its own generator and its own probabilities (inverse CDF).
+        u = torch.tensor([seqs[row].uniform() for row in rows], dtype=torch.float64, device=final.device)
+        probs = torch.softmax(final[index].double(), dim=-1)
+        cdf = probs.cumsum(dim=-1)
+        picked = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
+        # Rounding can put u * total at the very end: never step past the last token with mass.
+        positions = torch.arange(probs.shape[1], device=final.device)
+        last = torch.where(probs > 0, positions, 0).max(dim=-1).values
+        tokens[index] = torch.minimum(picked, last)
+        return tokens
+
+
+def _alternatives(raw: torch.Tensor, norm: torch.Tensor, counts: list[int] | None) -> list[list[tuple[int, float]]]:
+    counts = counts or [0] * raw.shape[0]
+    for n in counts:
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_TOP_LOGPROBS:
+            raise InvalidOptionError(f"top_logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS}, got {n!r}")
+    widest = min(max(counts, default=0), raw.shape[1])
+    if widest == 0:
+        return [[] for _ in counts]
+    values, ids = torch.topk(raw, widest, dim=-1)
+    logprobs = (values - norm[:, None]).tolist()
+    ids = ids.tolist()
+    return [list(zip(ids[row][:n], logprobs[row][:n])) for row, n in enumerate(counts)]
