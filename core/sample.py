@@ -147,15 +147,14 @@ class SamplerChain:
 
     def process(self, logits: torch.Tensor, seqs: Sequence[SequenceSampler]) -> torch.Tensor:
         """Run every step over the rows that need it: the final logits [B, V], -inf where masked."""
-        out = logits.float().clone()
+        out = logits.to(torch.float32, copy=True)
         params = BatchParams(seqs, out.device, self.fields)
         for _name, step in self.steps:
             rows = [row for row, seq in enumerate(seqs) if step.active(seq.options)]
             if len(rows) == len(seqs):
                 out = step.apply(out, params)
             elif rows:
-                index = torch.tensor(rows, device=out.device)
-                out[index] = step.apply(out[index], params.select(rows))
+                out[_index(rows, out)] = step.apply(_rows(out, rows), params.select(rows))
         return out
 
     def probabilities(self, logits: torch.Tensor, seqs: Sequence[SequenceSampler]) -> torch.Tensor:
@@ -177,21 +176,39 @@ class SamplerChain:
         return SampleResult(tokens.tolist(), chosen.tolist(), _alternatives(raw, norm, top_logprobs))
 
     def _draw(self, final: torch.Tensor, seqs: Sequence[SequenceSampler]) -> torch.Tensor:
-        tokens = final.argmax(dim=-1)
-        rows = [row for row, seq in enumerate(seqs) if seq.options.temperature > 0]
-        if not rows:
-            return tokens
-        index = torch.tensor(rows, device=final.device)
-        # Each row's draw uses only its own generator and its own probabilities (inverse CDF).
-        u = torch.tensor([seqs[row].uniform() for row in rows], dtype=torch.float64, device=final.device)
-        probs = torch.softmax(final[index].double(), dim=-1)
-        cdf = probs.cumsum(dim=-1)
-        picked = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
-        # Rounding can put u * total at the very end: never step past the last token with mass.
-        positions = torch.arange(probs.shape[1], device=final.device)
-        last = torch.where(probs > 0, positions, 0).max(dim=-1).values
-        tokens[index] = torch.minimum(picked, last)
+        tokens = torch.zeros(len(seqs), dtype=torch.int64, device=final.device)
+        greedy = [row for row, seq in enumerate(seqs) if seq.options.temperature == 0]
+        if greedy:
+            tokens[_index(greedy, final)] = _rows(final, greedy).argmax(dim=-1)
+        drawn = [row for row, seq in enumerate(seqs) if seq.options.temperature > 0]
+        if drawn:
+            # Each row's draw uses only its own generator and its own probabilities.
+            u = torch.tensor([seqs[row].uniform() for row in drawn], dtype=torch.float64, device=final.device)
+            tokens[_index(drawn, final)] = inverse_cdf(_rows(final, drawn), u)
         return tokens
+
+
+def inverse_cdf(logits: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """For each row, the token whose interval of the CDF of softmax(logits) holds u in [0, 1): int64 [b]."""
+    values, ids = sorted_candidates(logits)
+    # Walk the candidates in token-id order: tied logits then cannot be ordered differently when
+    # the batch (and so the candidates' width) changes.
+    ids, order = ids.sort(dim=-1)
+    weights = torch.exp(values.gather(1, order).double() - values[:, :1].double())
+    cdf = weights.cumsum(dim=-1)
+    picked = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)
+    # Rounding can put u * total at the very end: never step past the last token with mass.
+    positions = torch.arange(weights.shape[1], device=logits.device)
+    last = torch.where(weights > 0, positions, 0).max(dim=-1, keepdim=True).values
+    return ids.gather(1, torch.minimum(picked, last))[:, 0]
+
+
+def _index(rows: list[int], like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(rows, device=like.device)
+
+
+def _rows(batch: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    return batch if len(rows) == batch.shape[0] else batch[_index(rows, batch)]
 
 
 def _alternatives(raw: torch.Tensor, norm: torch.Tensor, counts: list[int] | None) -> list[list[tuple[int, float]]]:

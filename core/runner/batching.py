@@ -1,0 +1,224 @@
+"""The batching actor: one per loaded model, it runs every live sequence through shared forward passes.
+
+Each step is three calls (as in vLLM's engine): `plan_step` picks the work under one token budget,
+`execute` runs forward + sampling off the event loop, `update` hands each sequence its token.
+There is no prefill phase: a sequence's pending tokens are its prompt remainder or its last sampled
+token, and long prompts are fed in chunks so running sequences keep decoding.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Any
+
+import attrs
+import numpy as np
+import trio
+
+from corral.kvcache import CausalCache, shift_sequence
+from corral.model import Batch
+from corral.sample import SampleResult, SamplerChain, SequenceSampler
+
+EVENT_BUFFER = 64  # tokens a sequence may run ahead of its reader before it is paused
+
+
+@attrs.frozen
+class Sampled:
+    """A generated token (never an end-of-generation token)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+@attrs.frozen
+class Finished:
+    """The sequence ended: "stop" (end of generation) or "length" (num_predict, or num_ctx without shift)."""
+
+    reason: str
+
+
+@attrs.define(eq=False)
+class Sequence:
+    """A sequence's state shared by its actor and the batching actor."""
+
+    id: int  # its cache sequence id (the slot)
+    prompt: list[int]
+    pending: list[int]  # tokens to feed: the uncached prompt remainder, then the last sampled token
+    position: int  # position of pending[0]
+    sampler: SequenceSampler
+    events: trio.MemorySendChannel
+    num_predict: int = -1
+    num_ctx: int = 4096
+    num_keep: int = 4
+    shift: bool = True
+    top_logprobs: int = 0
+    cached: list[int] = attrs.field(factory=list)  # tokens whose keys are in the cache, in order
+    generated: int = 0
+    finished: bool = False
+    started_ns: int = attrs.field(factory=time.perf_counter_ns)
+    first_token_ns: int = 0
+    last_token_ns: int = 0
+
+    @property
+    def decoding(self) -> bool:
+        return len(self.pending) == 1 and self.generated > 0
+
+    def paused(self) -> bool:
+        """Its reader is EVENT_BUFFER tokens behind: skip it until it catches up."""
+        return self.events.statistics().current_buffer_used >= EVENT_BUFFER
+
+
+def plan_step(sequences: list[Sequence], budget: int) -> list[tuple[Sequence, int]]:
+    """Which sequences feed how many tokens this step: every decode first, then prompt chunks in order."""
+    plan, left = [], budget
+    runnable = [s for s in sequences if not s.finished and s.pending and not s.paused()]
+    for seq in runnable:
+        if seq.decoding and left > 0:
+            plan.append((seq, 1))
+            left -= 1
+    for seq in runnable:
+        if not seq.decoding and left > 0:
+            take = min(len(seq.pending), left)
+            plan.append((seq, take))
+            left -= take
+    return plan
+
+
+def build_batch(plan: list[tuple[Sequence, int]]) -> tuple[Batch, list[Sequence]]:
+    """The Batch for a plan and the sequences whose last row yields logits, in output order."""
+    inputs, positions, seqs, outputs, emitting = [], [], [], [], []
+    row = 0
+    for seq, count in plan:
+        inputs += seq.pending[:count]
+        positions += range(seq.position, seq.position + count)
+        seqs += [seq.id] * count
+        row += count
+        if count == len(seq.pending):
+            outputs.append(row - 1)
+            emitting.append(seq)
+    as_array = functools.partial(np.asarray, dtype=np.int64)
+    return Batch(as_array(inputs), as_array(positions), as_array(seqs), as_array(outputs)), emitting
+
+
+@attrs.define
+class BatchStats:
+    """Counters the server's /metrics reads."""
+
+    steps: int = 0
+    last_batch_size: int = 0
+    tokens_computed: int = 0
+    shifts: int = 0
+
+
+class BatchingActor:
+    """Owns the model's forward passes; sequences join and leave between any two steps."""
+
+    def __init__(self, model: Any, cache: CausalCache, chain: SamplerChain, num_batch: int, limiter: trio.CapacityLimiter):
+        self.model = model
+        self.cache = cache
+        self.chain = chain
+        self.num_batch = num_batch
+        self.limiter = limiter
+        self.sequences: list[Sequence] = []
+        self.stats = BatchStats()
+        self._wake = trio.Event()
+
+    def add(self, seq: Sequence) -> None:
+        """Start scheduling `seq`."""
+        self.sequences.append(seq)
+        self.wake()
+
+    def remove(self, seq: Sequence, keep_cells: bool) -> None:
+        """Stop scheduling `seq` (takes effect before the next step); free its cells unless kept for reuse."""
+        seq.finished = True
+        if seq in self.sequences:
+            self.sequences.remove(seq)
+        if not keep_cells:
+            self.cache.remove(seq.id)
+
+    def wake(self) -> None:
+        """Tell the loop there may be new work."""
+        self._wake.set()
+
+    async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """The step loop; runs until cancelled with the runtime."""
+        task_status.started()
+        while True:
+            await self._apply_context_limits()
+            plan = plan_step(self.sequences, self.num_batch)
+            if not plan:
+                self._wake = trio.Event()
+                await self._wake.wait()
+                continue
+            batch, emitting = build_batch(plan)
+            view = self.cache.prepare(batch)
+            result = await trio.to_thread.run_sync(self._execute, batch, view, emitting, limiter=self.limiter)
+            self._update(plan, emitting, result)
+
+    def _execute(self, batch: Batch, view: Any, emitting: list[Sequence]) -> SampleResult:
+        ctx = self.model.backend.new_context()
+        (logits,) = ctx.compute(self.model.model.forward(ctx, batch, view))
+        return self.chain.sample(logits, [s.sampler for s in emitting], [s.top_logprobs for s in emitting])
+
+    def _update(self, plan: list[tuple[Sequence, int]], emitting: list[Sequence], result: SampleResult) -> None:
+        self.stats.steps += 1
+        self.stats.last_batch_size = sum(count for _, count in plan)
+        self.stats.tokens_computed += self.stats.last_batch_size
+        for seq, count in plan:
+            if seq.finished:
+                continue  # removed while the step ran
+            seq.cached += seq.pending[:count]
+            seq.pending = seq.pending[count:]
+            seq.position += count
+        now = time.perf_counter_ns()
+        eog = self.model.tokenizer.eog_ids
+        for row, seq in enumerate(emitting):
+            if seq.finished:
+                continue
+            token = result.tokens[row]
+            seq.first_token_ns = seq.first_token_ns or now
+            seq.last_token_ns = now
+            if token in eog:
+                self._finish(seq, "stop")
+                continue
+            seq.sampler.accept(token)
+            seq.generated += 1
+            if not self._send(seq, Sampled(token, result.logprobs[row], tuple(result.top_logprobs[row]))):
+                continue
+            if 0 <= seq.num_predict <= seq.generated:
+                self._finish(seq, "length")
+            else:
+                seq.pending = [token]
+
+    def _send(self, seq: Sequence, event: Sampled | Finished) -> bool:
+        try:
+            seq.events.send_nowait(event)
+            return True
+        except (trio.BrokenResourceError, trio.ClosedResourceError, trio.WouldBlock):
+            self.remove(seq, keep_cells=False)  # its actor is gone
+            return False
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self._send(seq, Finished(reason))
+        self.remove(seq, keep_cells=True)
+
+    async def _apply_context_limits(self) -> None:
+        for seq in list(self.sequences):
+            if not seq.decoding or seq.position < seq.num_ctx:
+                continue
+            if not seq.shift or seq.num_ctx - seq.num_keep < 2:
+                self._finish(seq, "length")
+                continue
+            await trio.to_thread.run_sync(self._shift, seq, limiter=self.limiter)
+
+    def _shift(self, seq: Sequence) -> None:
+        # Keep num_keep tokens, drop half of the rest, and slide the remainder back (llama.cpp's context shift).
+        keep = seq.num_keep
+        discard = (seq.num_ctx - keep) // 2
+        self.cache.remove(seq.id, keep, keep + discard)
+        shift_sequence(self.model.model, self.cache, seq.id, keep + discard, -discard)
+        seq.cached = seq.cached[:keep] + seq.cached[keep + discard :]
+        seq.position -= discard
+        self.stats.shifts += 1

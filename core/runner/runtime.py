@@ -1,0 +1,282 @@
+"""The Runtime: a loaded model, its batching actor and its sequence actors, owned by one nursery.
+
+    async with corral.Runtime.open("smollm2", num_parallel=8, num_ctx=4096) as rt:
+        async with rt.generate("Why is the sky blue?", options={"temperature": 0}) as stream:
+            async for chunk in stream:
+                print(chunk.text, end="")
+
+Leaving a stream's `async with` (or cancelling the caller) ends its sequence and frees its slot
+before the batching actor's next step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Any, AsyncIterator, Callable
+
+import attrs
+import trio
+
+from corral.engine import LoadedModel, load_model
+from corral.kvcache import CausalCache
+from corral.options import Options, parse_options
+from corral.registry import Plugins
+from corral.runner.batching import EVENT_BUFFER, BatchingActor, Sequence
+from corral.runner.sequence import SequenceActor, truncate_prompt
+from corral.runner.slots import SlotPool
+from corral.runner.stream import Chunk
+from corral.sample import SamplerChain, SequenceSampler
+
+
+@attrs.define
+class RuntimeStats:
+    """Request-level counters, including prefix reuse."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    prompt_tokens_reused: int = 0
+    cache_hits: int = 0
+
+
+class Stream:
+    """The chunks of one generation; raises the request's error, if any, after the last chunk."""
+
+    def __init__(self, channel: trio.MemoryReceiveChannel, state: dict):
+        self._channel = channel
+        self._state = state
+
+    def __aiter__(self) -> AsyncIterator[Chunk]:
+        return self
+
+    async def __anext__(self) -> Chunk:
+        try:
+            return await self._channel.receive()
+        except trio.EndOfChannel:
+            if "error" in self._state:
+                raise self._state.pop("error") from None
+            raise StopAsyncIteration from None
+
+    async def collect(self) -> tuple[str, Chunk]:
+        """All the text and the final chunk."""
+        pieces, last = [], None
+        async for chunk in self:
+            pieces.append(chunk.text)
+            last = chunk
+        return "".join(pieces), last
+
+
+class Runtime:
+    """One loaded model served to concurrent requests."""
+
+    def __init__(self, model: LoadedModel, nursery: trio.Nursery, plugins: Plugins, num_parallel: int, num_ctx: int, num_batch: int):
+        self.model = model
+        self.num_parallel = num_parallel
+        self.num_ctx = min(num_ctx, model.info.context_length)
+        self.num_batch = num_batch
+        self.chain = SamplerChain(plugins)
+        layers = model.model.cache_layers()
+        windows = [layer.window for layer in layers if layer.window]
+        window_cells = num_parallel * (max(windows) + num_batch) if windows else None
+        self.cache = CausalCache(model.backend, layers, self.num_ctx * num_parallel, window_cells)
+        self.limiter = trio.CapacityLimiter(1)  # one forward at a time per device
+        self.batcher = BatchingActor(model, self.cache, self.chain, num_batch, self.limiter)
+        self.slots = SlotPool(num_parallel)
+        self.stats = RuntimeStats()
+        self._nursery = nursery
+
+    @classmethod
+    @contextlib.asynccontextmanager
+    async def open(
+        cls,
+        model: str,
+        *,
+        num_parallel: int = 4,
+        num_ctx: int = 4096,
+        num_batch: int = 512,
+        precision: str = "auto",
+        device: str | None = None,
+        plugins: Plugins | None = None,
+    ) -> AsyncIterator[Runtime]:
+        """Load `model` (a store name or a GGUF path) and serve it until the block exits."""
+        plugins = plugins or Plugins()
+        loaded = await trio.to_thread.run_sync(
+            functools.partial(load_model, model, precision=precision, device=device, plugins=plugins)
+        )
+        async with trio.open_nursery() as nursery:
+            runtime = cls(loaded, nursery, plugins, num_parallel, num_ctx, num_batch)
+            await nursery.start(runtime.batcher.run)
+            try:
+                yield runtime
+            finally:
+                nursery.cancel_scope.cancel()
+
+    # --- public API -----------------------------------------------------------------------
+    def parse_options(self, options: dict | None) -> Options:
+        """Validated options, including those the installed sampler plugins declare."""
+        return parse_options(options, self.chain.extra_options)
+
+    def generate(
+        self,
+        prompt: str,
+        options: dict | None = None,
+        *,
+        raw: bool = False,
+        system: str | None = None,
+        context: list[int] | None = None,
+        shift: bool = True,
+        logprobs: bool = False,
+        top_logprobs: int = 0,
+    ) -> contextlib.AbstractAsyncContextManager[Stream]:
+        """Stream the completion of `prompt` (wrapped in the chat template as a user turn unless `raw`)."""
+        opts = self.parse_options(options)
+
+        def prompt_ids() -> list[int]:
+            if raw:
+                ids = self.model.tokenize(prompt, add_special=not context)
+            else:
+                turns = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+                ids = self.model.chat_ids(turns)
+            return list(context or []) + ids
+
+        return self._stream(prompt_ids, opts, shift, logprobs, top_logprobs)
+
+    def chat(
+        self,
+        messages: list[dict],
+        options: dict | None = None,
+        *,
+        tools: list[dict] | None = None,
+        shift: bool = True,
+        logprobs: bool = False,
+        top_logprobs: int = 0,
+    ) -> contextlib.AbstractAsyncContextManager[Stream]:
+        """Stream the assistant's reply to `messages`; the oldest turns are dropped if they do not fit."""
+        opts = self.parse_options(options)
+        num_ctx = self._num_ctx(opts)
+        return self._stream(lambda: self._fit_messages(messages, num_ctx), opts, shift, logprobs, top_logprobs)
+
+    async def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+        """Token ids of `text`."""
+        return await trio.to_thread.run_sync(functools.partial(self.model.tokenize, text, add_special=add_special))
+
+    async def detokenize(self, ids: list[int]) -> str:
+        """Text of token ids."""
+        return await trio.to_thread.run_sync(self.model.detokenize, ids)
+
+    def live_sequences(self) -> int:
+        """Sequences the batching actor is running now."""
+        return len(self.batcher.sequences)
+
+    # --- internals ------------------------------------------------------------------------
+    def _num_ctx(self, opts: Options) -> int:
+        return min(opts.num_ctx or self.num_ctx, self.num_ctx)
+
+    def _fit_messages(self, messages: list[dict], num_ctx: int) -> list[int]:
+        # Drop the oldest turns (never a system message, never the last one) until the prompt fits.
+        messages = list(messages)
+        ids = self.model.chat_ids(messages)
+        while len(ids) > num_ctx:
+            droppable = [i for i, m in enumerate(messages[:-1]) if m.get("role") != "system"]
+            if not droppable:
+                break
+            del messages[droppable[0]]
+            ids = self.model.chat_ids(messages)
+        return ids
+
+    @contextlib.asynccontextmanager
+    async def _stream(
+        self, prompt_ids: Callable[[], list[int]], opts: Options, shift: bool, logprobs: bool, top_logprobs: int
+    ) -> AsyncIterator[Stream]:
+        send, receive = trio.open_memory_channel(0)
+        state: dict[str, Any] = {}
+        scope = trio.CancelScope()
+        self._nursery.start_soon(self._run_sequence, scope, prompt_ids, opts, shift, logprobs, top_logprobs, send, state)
+        try:
+            async with receive:
+                yield Stream(receive, state)
+        finally:
+            scope.cancel()
+            self._release(state, finished=False)
+
+    async def _run_sequence(
+        self,
+        scope: trio.CancelScope,
+        prompt_ids: Callable[[], list[int]],
+        opts: Options,
+        shift: bool,
+        logprobs: bool,
+        top_logprobs: int,
+        out: trio.MemorySendChannel,
+        state: dict,
+    ) -> None:
+        with scope:
+            async with out:
+                try:
+                    await self._sequence(prompt_ids, opts, shift, logprobs, top_logprobs, out, state)
+                except Exception as exc:  # reported to this request's reader, never to the runtime
+                    state["error"] = exc
+                finally:
+                    self._release(state, finished=state.get("finished", False))
+
+    async def _sequence(self, prompt_ids, opts: Options, shift, logprobs, top_logprobs, out, state) -> None:
+        num_ctx = self._num_ctx(opts)
+        ids = truncate_prompt(await trio.to_thread.run_sync(prompt_ids), num_ctx, opts.num_keep)
+        if not ids:
+            raise ValueError("the prompt is empty")
+        slot, reused = await self.slots.acquire(ids, self._reusable)
+        state["slot"] = slot
+        self.cache.remove(slot, reused)
+        self._count(ids, reused)
+        events_send, events_receive = trio.open_memory_channel(EVENT_BUFFER + 2)
+        seq = Sequence(
+            id=slot,
+            prompt=ids,
+            pending=ids[reused:],
+            position=reused,
+            cached=ids[:reused],
+            sampler=SequenceSampler(opts, ids, num_ctx),
+            events=events_send,
+            num_predict=opts.num_predict,
+            num_ctx=num_ctx,
+            num_keep=min(opts.num_keep, num_ctx - 1),
+            shift=shift,
+            top_logprobs=top_logprobs if logprobs else 0,
+        )
+        state["seq"] = seq
+        self.batcher.add(seq)
+        actor = SequenceActor(seq, self.model.tokenizer, opts.stop, reused, logprobs, resume=self.batcher.wake)
+        async with events_receive:
+            await actor.run(events_receive, out)
+        state["finished"] = actor.done_reason is not None
+
+    def _reusable(self, slot: int, tokens: list[int], prompt: list[int]) -> int:
+        """How many leading prompt tokens `slot`'s cached tokens can serve (at least one must be computed)."""
+        common = 0
+        for a, b in zip(tokens, prompt):
+            if a != b:
+                break
+            common += 1
+        common = min(common, len(prompt) - 1)
+        if common and not self.cache.has_window_cells(slot, common):
+            return 0  # a sliding-window layer already forgot what the prefix's end needs
+        return common
+
+    def _count(self, ids: list[int], reused: int) -> None:
+        self.stats.requests += 1
+        self.stats.prompt_tokens += len(ids)
+        self.stats.prompt_tokens_reused += reused
+        self.stats.cache_hits += reused > 0
+
+    def _release(self, state: dict, finished: bool) -> None:
+        # Idempotent: runs from the actor's finally and from the reader's exit, whichever is first.
+        if state.get("released") or "slot" not in state:
+            return
+        state["released"] = True
+        slot, seq = state["slot"], state.get("seq")
+        if seq is not None:
+            self.batcher.remove(seq, keep_cells=finished)
+        if not finished:
+            self.cache.remove(slot)
+        self.slots.release(slot, seq.cached if finished and seq is not None else [])
+
