@@ -71,3 +71,43 @@ def run_bench(name: str, prompt_tokens: int = 512, gen_tokens: int = 128, precis
         "rss_after_load_mb": rss_after_load,
         "peak_rss_mb": peak_rss_mb(),
     }
+
+
+def run_concurrency_bench(name: str, concurrency: int, prompt_tokens: int = 128, gen_tokens: int = 128, precision: str = "auto") -> dict:
+    """`concurrency` parallel greedy streams through the Trio runtime: aggregate tokens/s and latency."""
+    import statistics
+
+    import trio
+
+    from corral.runner.runtime import Runtime
+
+    async def main() -> dict:
+        async with Runtime.open(name, num_parallel=concurrency, num_ctx=prompt_tokens + gen_tokens + 8, precision=precision) as rt:
+            base = prompt_ids(rt.model, prompt_tokens)
+            latencies, counts = [], []
+
+            async def one(i: int) -> None:
+                # A distinct first token per stream, so no stream reuses another's prefix.
+                text = rt.model.detokenize([base[(i * 7) % len(base)]] + base[1:])
+                start = time.perf_counter()
+                options = {"temperature": 0, "num_predict": gen_tokens}
+                async with rt.generate(text, options=options, raw=True) as stream:
+                    _, final = await stream.collect()
+                latencies.append(time.perf_counter() - start)
+                counts.append(final.eval_count)
+
+            start = time.perf_counter()
+            async with trio.open_nursery() as nursery:
+                for i in range(concurrency):
+                    nursery.start_soon(one, i)
+            wall = time.perf_counter() - start
+            return {
+                "model": name,
+                "concurrency": concurrency,
+                "generated_tokens": sum(counts),
+                "aggregate_tok_s": sum(counts) / wall,
+                "median_latency_s": statistics.median(latencies),
+                "peak_rss_mb": peak_rss_mb(),
+            }
+
+    return trio.run(main)

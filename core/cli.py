@@ -137,12 +137,16 @@ def _answer(loaded, messages: list[dict], temperature: float, max_tokens: int, s
 @click.option("--prompt-tokens", type=int, default=512, show_default=True)
 @click.option("--gen-tokens", type=int, default=128, show_default=True)
 @click.option("--precision", type=click.Choice(["auto", "fp32"]), default="auto", show_default=True)
+@click.option("--concurrency", type=int, default=None, help="Run N parallel streams through the runtime instead.")
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
-def bench(model: str, prompt_tokens: int, gen_tokens: int, precision: str, as_json: bool) -> None:
-    """Measure load time, prefill and decode tokens/s (batch 1) and memory."""
-    from corral.bench import run_bench
+def bench(model: str, prompt_tokens: int, gen_tokens: int, precision: str, concurrency: int | None, as_json: bool) -> None:
+    """Measure load time, prefill and decode tokens/s (batch 1) and memory; or N concurrent streams."""
+    from corral.bench import run_bench, run_concurrency_bench
 
-    figures = run_bench(model, prompt_tokens=prompt_tokens, gen_tokens=gen_tokens, precision=precision)
+    if concurrency:
+        figures = run_concurrency_bench(model, concurrency, prompt_tokens=prompt_tokens, gen_tokens=gen_tokens, precision=precision)
+    else:
+        figures = run_bench(model, prompt_tokens=prompt_tokens, gen_tokens=gen_tokens, precision=precision)
     if as_json:
         click.echo(json.dumps(figures, indent=2))
         return

@@ -190,11 +190,17 @@ class SamplerChain:
 
 def inverse_cdf(logits: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """For each row, the token whose interval of the CDF of softmax(logits) holds u in [0, 1): int64 [b]."""
-    values, ids = sorted_candidates(logits)
-    # Walk the candidates in token-id order: tied logits then cannot be ordered differently when
-    # the batch (and so the candidates' width) changes.
-    ids, order = ids.sort(dim=-1)
-    weights = torch.exp(values.gather(1, order).double() - values[:, :1].double())
+    width = int((logits > float("-inf")).sum(dim=-1).max())
+    if 2 * width > logits.shape[1]:  # mostly unmasked: walk the whole row, no sort needed
+        values, ids = logits, torch.arange(logits.shape[1], device=logits.device).expand_as(logits)
+    else:
+        values, ids = torch.topk(logits, max(width, 1), dim=-1)
+        # Walk the candidates in token-id order, as the whole-row walk does: tied logits then
+        # cannot be ordered differently when the batch (and so the candidates' width) changes.
+        ids, order = ids.sort(dim=-1)
+        values = values.gather(1, order)
+    top = values.max(dim=-1, keepdim=True).values
+    weights = torch.exp(values.double() - top.double())
     cdf = weights.cumsum(dim=-1)
     picked = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)
     # Rounding can put u * total at the very end: never step past the last token with mass.
