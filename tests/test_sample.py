@@ -159,18 +159,26 @@ def test_a_seed_repeats_its_draws_and_another_seed_does_not(chain):
 
 
 def test_a_seeded_row_draws_the_same_tokens_whatever_else_is_in_the_batch(chain):
-    logits = torch.randn(4, 64, generator=torch.Generator().manual_seed(0))
+    logits = torch.randn(5, 256, generator=torch.Generator().manual_seed(0))
     alone = run_draws(chain, logits[:1], [seq(**SEEDED)])[0]
-    others = [{"top_p": 0.5}, {"temperature": 0.0}, {"seed": 7, "min_p": 0.1, "typical_p": 0.9}]
+    # Unfiltered rows make the draw walk whole rows; alone, the seeded row's 40 candidates are walked.
+    others = [{"top_p": 0.5}, {"temperature": 0.0}, {"seed": 7, "min_p": 0.1, "typical_p": 0.9}, {}]
     batch = run_draws(chain, logits, [seq(**SEEDED)] + [seq(**row) for row in others])
     assert batch[0] == alone
 
 
-def test_draws_follow_the_distribution(chain):
-    seqs = [seq(seed=i) for i in range(4000)]
-    tokens = torch.tensor(chain.sample(torch.tensor([ln(0.5, 0.3, 0.2)] * 4000), seqs).tokens)
-    frequencies = torch.bincount(tokens, minlength=3) / 4000
-    assert frequencies.tolist() == pytest.approx([0.5, 0.3, 0.2], abs=0.03)
+@pytest.mark.parametrize(
+    ("logits", "options", "expected"),
+    [
+        pytest.param(ln(0.5, 0.3, 0.2), {}, [0.5, 0.3, 0.2], id="whole-row"),
+        pytest.param(ln(0.4, 0.3, 0.2, 0.1, 0.0), {"top_k": 2}, [4 / 7, 3 / 7, 0.0, 0.0, 0.0], id="candidates"),
+    ],
+)
+def test_draws_follow_the_distribution(chain, logits, options, expected):
+    seqs = [seq(seed=i, **options) for i in range(4000)]
+    tokens = torch.tensor(chain.sample(torch.tensor([logits] * 4000), seqs).tokens)
+    frequencies = torch.bincount(tokens, minlength=len(logits)) / 4000
+    assert frequencies.tolist() == pytest.approx(expected, abs=0.03)
 
 
 # -- logprobs --------------------------------------------------------------------------------------

@@ -221,9 +221,12 @@ class Runtime:
 
     async def _sequence(self, prompt_ids, opts: Options, shift, logprobs, top_logprobs, out, state) -> None:
         num_ctx = self._num_ctx(opts)
-        ids = truncate_prompt(await trio.to_thread.run_sync(prompt_ids), num_ctx, opts.num_keep)
+        ids = await trio.to_thread.run_sync(prompt_ids)
         if not ids:
             raise ValueError("the prompt is empty")
+        num_keep = min(len(ids) if opts.num_keep < 0 else opts.num_keep, num_ctx - 1)  # -1: the whole prompt
+        ids = truncate_prompt(ids, num_ctx, num_keep)
+        num_predict, shift = (-1, False) if opts.num_predict == -2 else (opts.num_predict, shift)  # -2: fill the context
         slot, reused = await self.slots.acquire(ids, self._reusable)
         state["slot"] = slot
         self.cache.remove(slot, reused)
@@ -237,9 +240,9 @@ class Runtime:
             cached=ids[:reused],
             sampler=SequenceSampler(opts, ids, num_ctx),
             events=events_send,
-            num_predict=opts.num_predict,
+            num_predict=num_predict,
             num_ctx=num_ctx,
-            num_keep=min(opts.num_keep, num_ctx - 1),
+            num_keep=num_keep,
             shift=shift,
             top_logprobs=top_logprobs if logprobs else 0,
         )

@@ -68,6 +68,7 @@ class TorchBackend:
         reference = precision == "fp32"
         self.dense_dtype = torch.bfloat16 if self.device.type == "cuda" and not reference else torch.float32
         self.kv_dtype = torch.float32 if reference else torch.bfloat16
+        self._dense: dict[tuple[str, torch.dtype], torch.Tensor] = {}
 
     def load_tensor(self, gguf: GGUFFile, info: TensorInfo, role: str) -> Any:
         """Convert one GGUF tensor for `role` ("linear", "embedding" or "vector")."""
@@ -82,8 +83,11 @@ class TorchBackend:
             codes, scales, zeros = torch_quant.int4_codes(raw, info.qtype, cols)
             return self._pack_int4(codes, scales, zeros)
         dtype = torch.float32 if role == "vector" else self.dense_dtype
-        dense = torch_quant.dequantize(raw, info.qtype, cols, dtype=dtype)
-        return dense.reshape(info.shape).to(self.device)
+        # A tied embedding is bound as "embedding" and as "linear": one dense copy serves both.
+        key = (info.name, dtype)
+        if key not in self._dense:
+            self._dense[key] = torch_quant.dequantize(raw, info.qtype, cols, dtype=dtype).reshape(info.shape).to(self.device)
+        return self._dense[key]
 
     def _keeps_int4(self, info: TensorInfo) -> bool:
         if self.precision != "auto" or info.qtype not in INT4_TYPES or len(info.shape) != 2:

@@ -268,10 +268,11 @@ def _inner_k_tiles(cols: int) -> int:
 
 
 def pack_int4_for_cuda(
-    codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, device: torch.device | str = "cuda"
+    codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, device: torch.device | str | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Codes and group params -> (packed int32 4-D, scales_and_zeros bf16 [cols // 32, rows, 2]) on
-    `device` for `torch.ops.aten._weight_int4pack_mm(x_bf16, packed, 32, scales_and_zeros)`.
+    `device` (default: the codes' GPU, else "cuda") for
+    `torch.ops.aten._weight_int4pack_mm(x_bf16, packed, 32, scales_and_zeros)`.
 
     Written from torch's int4mm.cu and test_linalg.py; not yet run on a GPU. The kernel takes byte
     pairs with the even column in the high nibble, needs rows divisible by 8, and dequantizes in
@@ -280,6 +281,8 @@ def pack_int4_for_cuda(
     rows, cols = codes.shape
     if rows % 8:
         raise UnsupportedTensorTypeError(f"torch's CUDA int4 kernel needs rows divisible by 8, got {rows}")
+    if device is None:
+        device = codes.device if codes.is_cuda else "cuda"
     codes = codes.to(device=device, dtype=torch.uint8)
     pairs = (codes[:, 0::2] << 4) | codes[:, 1::2]
     packed = torch.ops.aten._convert_weight_to_int4pack(pairs.contiguous(), _inner_k_tiles(cols))

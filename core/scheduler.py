@@ -1,0 +1,226 @@
+"""The scheduler: which models are loaded, for how long, and who may use them.
+
+A request asks for a model by name with its load-time options; the scheduler hands back the
+runner that serves it, loading it first when needed (one load at a time), reloading when a
+load-time option changed, and unloading it `keep_alive` after its last request ends. Each loaded
+model's runner lives in a task of the scheduler's nursery.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import math
+import os
+import re
+import time
+from typing import Any, AsyncIterator
+
+import attrs
+import trio
+
+from corral.errors import CorralError, ModelNotFoundError
+from corral.options import LOAD_TIME_OPTIONS
+from corral.registry import Plugins
+from corral.runner.runtime import Runtime
+from corral.store import Store, default_store, parse_name
+
+log = logging.getLogger(__name__)
+
+DEFAULT_KEEP_ALIVE = 300.0  # seconds
+DEFAULT_NUM_PARALLEL = 4
+DEFAULT_NUM_CTX = 4096
+_DURATION = re.compile(r"(-?\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")
+_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+class InvalidKeepAliveError(CorralError):
+    """keep_alive is neither a number of seconds nor a duration such as "5m"."""
+
+
+def parse_keep_alive(value: Any) -> float | None:
+    """Seconds to keep a model loaded: a number, or a Go duration ("5m", "1h30m"); negative means forever.
+
+    Returns None for "not given", math.inf for forever.
+    """
+    if value is None or value == "":
+        return None
+    if isinstance(value, bool):
+        raise InvalidKeepAliveError(f"keep_alive must be a duration like \"5m\" or a number of seconds, not {value!r}")
+    if isinstance(value, (int, float)):
+        seconds = float(value)
+    elif isinstance(value, str):
+        text = value.strip()
+        try:
+            seconds = float(text)
+        except ValueError:
+            parts = _DURATION.findall(text)
+            if not parts or "".join(number + unit for number, unit in parts) != text.replace("+", ""):
+                raise InvalidKeepAliveError(
+                    f"keep_alive {value!r} is not a duration; use a number of seconds or a duration like \"5m\""
+                ) from None
+            seconds = sum(float(number) * _UNITS[unit] for number, unit in parts)
+    else:
+        raise InvalidKeepAliveError(f"keep_alive must be a duration like \"5m\" or a number of seconds, not {value!r}")
+    return math.inf if seconds < 0 else seconds
+
+
+def keep_alive_from_env() -> float:
+    """CORRAL_KEEP_ALIVE (or OLLAMA_KEEP_ALIVE), else five minutes."""
+    for key in ("CORRAL_KEEP_ALIVE", "OLLAMA_KEEP_ALIVE"):
+        parsed = parse_keep_alive(os.environ.get(key))
+        if parsed is not None:
+            return parsed
+    return DEFAULT_KEEP_ALIVE
+
+
+@attrs.define(eq=False)
+class Loaded:
+    """A model held by the scheduler."""
+
+    name: str
+    path: Any
+    load_options: dict[str, Any]
+    runtime: Runtime | None = None
+    users: int = 0
+    keep_alive: float = DEFAULT_KEEP_ALIVE
+    expires_at: float | None = None  # wall-clock seconds; None while in use; inf for forever
+    load_seconds: float = 0.0
+    unload: trio.Event = attrs.field(factory=trio.Event)
+    stopped: trio.Event = attrs.field(factory=trio.Event)
+    expiry: trio.CancelScope | None = None
+    idle: trio.Event | None = None  # set when the last user leaves, for a waiting unload
+
+    @property
+    def expires_at_datetime(self) -> datetime.datetime:
+        if self.expires_at is None or math.isinf(self.expires_at):
+            # In use or kept forever: report far in the future, as Ollama does.
+            return datetime.datetime(2318, 1, 1, tzinfo=datetime.timezone.utc)
+        return datetime.datetime.fromtimestamp(self.expires_at, tz=datetime.timezone.utc)
+
+
+class Scheduler:
+    """Loads models on demand into runtimes owned by its nursery."""
+
+    def __init__(
+        self,
+        store: Store | None = None,
+        plugins: Plugins | None = None,
+        num_parallel: int | None = None,
+        default_num_ctx: int = DEFAULT_NUM_CTX,
+    ):
+        self.store = store or default_store()
+        self.plugins = plugins or Plugins()
+        self.num_parallel = num_parallel or int(os.environ.get("CORRAL_NUM_PARALLEL", DEFAULT_NUM_PARALLEL))
+        self.default_num_ctx = default_num_ctx
+        self.default_keep_alive = keep_alive_from_env()
+        self.loaded: dict[str, Loaded] = {}
+        self._load_lock = trio.Lock()  # one load at a time
+        self._nursery: trio.Nursery | None = None
+
+    async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Own the runtimes until cancelled; everything loaded is unloaded on the way out."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started(self)
+            await trio.sleep_forever()
+
+    def resolve(self, name: str) -> tuple[str, Any]:
+        """The canonical model name and its GGUF path (ModelNotFoundError when absent)."""
+        canonical = str(parse_name(name))
+        try:
+            return canonical, self.store.model_path(canonical)
+        except ModelNotFoundError:
+            raise ModelNotFoundError(f"model '{name}' not found") from None
+
+    @contextlib.asynccontextmanager
+    async def use(self, name: str, options: dict | None = None, keep_alive: Any = None) -> AsyncIterator[Loaded]:
+        """The loaded model for a request, kept loaded while the block runs and `keep_alive` after."""
+        keep = parse_keep_alive(keep_alive)
+        entry = await self._acquire(name, options or {})
+        try:
+            yield entry
+        finally:
+            self._release(entry, self.default_keep_alive if keep is None else keep)
+
+    async def unload(self, name: str) -> bool:
+        """Unload a model now (requests using it finish first); False if it was not loaded."""
+        canonical = str(parse_name(name))
+        entry = self.loaded.get(canonical)
+        if entry is None:
+            return False
+        await self._stop(entry)
+        return True
+
+    async def _acquire(self, name: str, options: dict) -> Loaded:
+        canonical, path = self.resolve(name)
+        wanted = {key: options[key] for key in LOAD_TIME_OPTIONS if options.get(key) is not None}
+        async with self._load_lock:
+            entry = self.loaded.get(canonical)
+            if entry is not None and not _compatible(entry.load_options, wanted):
+                await self._stop(entry)  # a load-time option changed: reload
+                entry = None
+            if entry is None:
+                entry = await self._load(canonical, path, wanted)
+            entry.users += 1
+            if entry.expiry is not None:
+                entry.expiry.cancel()
+            entry.expires_at = None
+        return entry
+
+    async def _load(self, name: str, path: Any, load_options: dict) -> Loaded:
+        entry = Loaded(name, path, load_options)
+        start = time.perf_counter()
+        await self._nursery.start(self._hold, entry)
+        entry.load_seconds = time.perf_counter() - start
+        self.loaded[name] = entry
+        log.info("loaded %s in %.2fs", name, entry.load_seconds)
+        return entry
+
+    async def _hold(self, entry: Loaded, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        try:
+            num_ctx = entry.load_options.get("num_ctx") or self.default_num_ctx
+            num_batch = entry.load_options.get("num_batch") or 512
+            async with Runtime.open(
+                str(entry.path), num_parallel=self.num_parallel, num_ctx=num_ctx, num_batch=num_batch, plugins=self.plugins
+            ) as runtime:
+                entry.runtime = runtime
+                task_status.started()
+                await entry.unload.wait()
+        finally:
+            entry.stopped.set()
+            if self.loaded.get(entry.name) is entry:
+                del self.loaded[entry.name]
+
+    def _release(self, entry: Loaded, keep_alive: float) -> None:
+        entry.users -= 1
+        entry.keep_alive = keep_alive
+        if entry.users == 0 and entry.idle is not None:
+            entry.idle.set()
+        if entry.users > 0 or entry.unload.is_set():
+            return
+        if keep_alive == 0:
+            entry.unload.set()
+            return
+        entry.expires_at = math.inf if math.isinf(keep_alive) else time.time() + keep_alive
+        if not math.isinf(keep_alive):
+            entry.expiry = trio.CancelScope()
+            self._nursery.start_soon(self._expire, entry, entry.expiry, keep_alive)
+
+    async def _expire(self, entry: Loaded, scope: trio.CancelScope, delay: float) -> None:
+        with scope:
+            await trio.sleep(delay)
+            if entry.users == 0:
+                entry.unload.set()
+
+    async def _stop(self, entry: Loaded) -> None:
+        if entry.users:
+            entry.idle = trio.Event()
+            await entry.idle.wait()  # let running requests finish
+        entry.unload.set()
+        await entry.stopped.wait()
+
+
+def _compatible(loaded: dict, wanted: dict) -> bool:
+    return all(loaded.get(key) == value for key, value in wanted.items())

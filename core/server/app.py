@@ -1,0 +1,44 @@
+"""The Quart-Trio application: Ollama and OpenAI APIs over one scheduler."""
+
+from __future__ import annotations
+
+import quart
+from quart_trio import QuartTrio
+from werkzeug.exceptions import HTTPException
+
+from corral.scheduler import Scheduler
+from corral.server import models, ollama
+from corral.server.http import ApiError, as_api_error
+from corral.server.state import ServerState
+from corral.store import Store
+
+
+def create_app(scheduler: Scheduler, store: Store) -> QuartTrio:
+    """An app serving `scheduler`'s models; the caller runs the scheduler in its own nursery."""
+    app = QuartTrio("corral")
+    app.config.update(MAX_CONTENT_LENGTH=None, BODY_TIMEOUT=None, RESPONSE_TIMEOUT=None)
+    app.extensions["corral"] = ServerState(scheduler, store)
+    for blueprint in (ollama.bp, models.bp):
+        app.register_blueprint(blueprint)
+
+    @app.errorhandler(ApiError)
+    async def api_error(error: ApiError):
+        return _error_body(error), error.status
+
+    @app.errorhandler(HTTPException)
+    async def http_error(error: HTTPException):
+        return _error_body(ApiError(error.code or 500, error.description or error.name)), error.code
+
+    @app.errorhandler(Exception)
+    async def any_error(error: Exception):
+        api = as_api_error(error)
+        return _error_body(api), api.status
+
+    return app
+
+
+def _error_body(error: ApiError) -> dict:
+    # OpenAI clients read {"error": {"message": ...}}; Ollama clients read {"error": "..."}.
+    if quart.request.path.startswith("/v1/"):
+        return {"error": {"message": error.message, "type": error.kind, "param": None, "code": None}}
+    return {"error": error.message}

@@ -1,0 +1,149 @@
+"""HTTP plumbing shared by the API modules: request bodies, errors with status codes, streaming framings."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+from typing import Any, AsyncIterator, Callable
+
+import quart
+
+from corral.errors import (
+    CorralError,
+    GGUFError,
+    InvalidModelNameError,
+    MissingTensorError,
+    ModelNotFoundError,
+    UnknownArchitectureError,
+    UnsupportedTensorTypeError,
+)
+from corral.options import InvalidOptionError
+from corral.scheduler import InvalidKeepAliveError
+from corral.template import TemplateError
+
+log = logging.getLogger(__name__)
+
+NDJSON = "application/x-ndjson"
+SSE = "text/event-stream"
+
+
+class ApiError(Exception):
+    """An error answered with `status` and a message the client can act on."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.kind = kind
+
+
+class ServerBusyError(ApiError):
+    """Too many requests are waiting."""
+
+    def __init__(self) -> None:
+        super().__init__(503, "server busy, please try again.  maximum pending requests exceeded", "server_error")
+
+
+_STATUS_BY_ERROR: list[tuple[type[BaseException], int]] = [
+    (ModelNotFoundError, 404),
+    (InvalidModelNameError, 400),
+    (InvalidOptionError, 400),
+    (InvalidKeepAliveError, 400),
+    (TemplateError, 400),
+    (UnknownArchitectureError, 500),
+    (UnsupportedTensorTypeError, 500),
+    (MissingTensorError, 500),
+    (GGUFError, 500),
+]
+
+
+def as_api_error(exc: BaseException) -> ApiError:
+    """The status and message a raised error becomes."""
+    if isinstance(exc, ApiError):
+        return exc
+    for kind, status in _STATUS_BY_ERROR:
+        if isinstance(exc, kind):
+            return ApiError(status, str(exc), "invalid_request_error" if status < 500 else "server_error")
+    if isinstance(exc, CorralError):
+        return ApiError(400, str(exc))
+    log.exception("unexpected error while serving a request", exc_info=exc)
+    return ApiError(500, f"internal error: {exc}", "server_error")
+
+
+async def read_json() -> dict[str, Any]:
+    """The request body as a JSON object; 400 when missing or malformed."""
+    raw = await quart.request.get_data()
+    if not raw.strip():
+        raise ApiError(400, "missing request body")
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"invalid JSON in request body: {exc}") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    return body
+
+
+def field(body: dict, name: str, kind: type | tuple[type, ...], default: Any = None, required: bool = False) -> Any:
+    """A typed field of a request body (400 when missing but required, or of the wrong type)."""
+    value = body.get(name)
+    if value is None:
+        if required:
+            raise ApiError(400, f"{name} is required")
+        return default
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
+        names = " or ".join(k.__name__ for k in kinds)
+        raise ApiError(400, f"{name} must be of type {names}, not {type(value).__name__}")
+    return value
+
+
+def now_rfc3339() -> str:
+    """The current time as an RFC 3339 UTC timestamp."""
+    return datetime.datetime.now(datetime.timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+async def prime(chunks: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    """Run `chunks` up to its first item now, so errors before streaming get a real status code."""
+    first = await chunks.__anext__()
+
+    async def rest() -> AsyncIterator[Any]:
+        yield first
+        async for item in chunks:
+            yield item
+
+    return rest()
+
+
+def ndjson_response(chunks: AsyncIterator[dict], on_error: Callable[[ApiError], dict]) -> quart.Response:
+    """One JSON object per line; an error after streaming began becomes a final error line."""
+
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            async for item in chunks:
+                yield (json.dumps(item) + "\n").encode()
+        except Exception as exc:  # noqa: BLE001 - reported to the client in-band
+            yield (json.dumps(on_error(as_api_error(exc))) + "\n").encode()
+
+    return _streaming(body(), NDJSON)
+
+
+def sse_response(chunks: AsyncIterator[dict], on_error: Callable[[ApiError], dict]) -> quart.Response:
+    """Server-sent events: `data: {json}` per chunk, then `data: [DONE]`."""
+
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            async for item in chunks:
+                yield f"data: {json.dumps(item)}\n\n".encode()
+        except Exception as exc:  # noqa: BLE001 - reported to the client in-band
+            yield f"data: {json.dumps(on_error(as_api_error(exc)))}\n\n".encode()
+        yield b"data: [DONE]\n\n"
+
+    return _streaming(body(), SSE)
+
+
+def _streaming(body: AsyncIterator[bytes], mimetype: str) -> quart.Response:
+    response = quart.Response(body, mimetype=mimetype)
+    response.timeout = None  # generation may take longer than Quart's default response timeout
+    return response

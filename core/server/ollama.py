@@ -1,0 +1,177 @@
+"""Ollama's generation endpoints: /api/generate, /api/chat, /api/embed, /api/embeddings."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, AsyncIterator
+
+import quart
+
+from corral.runner.stream import Chunk
+from corral.scheduler import parse_keep_alive
+from corral.server.http import ApiError, field, ndjson_response, now_rfc3339, prime, read_json
+from corral.server.state import state
+
+bp = quart.Blueprint("ollama", __name__)
+
+
+def _error_line(error: ApiError) -> dict:
+    return {"error": error.message}
+
+
+def _request_common(body: dict) -> dict[str, Any]:
+    """Fields every generation request shares, validated."""
+    return {
+        "model": field(body, "model", str, required=True),
+        "stream": field(body, "stream", bool, True),
+        "options": field(body, "options", dict, {}),
+        "keep_alive": body.get("keep_alive"),
+        "logprobs": field(body, "logprobs", bool, False),
+        "top_logprobs": field(body, "top_logprobs", int, 0),
+        "shift": field(body, "shift", bool, True),
+    }
+
+
+def _metrics(final: Chunk, load_ns: int, started_ns: int) -> dict[str, Any]:
+    return {
+        "done_reason": final.done_reason,
+        "total_duration": time.perf_counter_ns() - started_ns,
+        "load_duration": load_ns,
+        "prompt_eval_count": final.prompt_eval_count,
+        "prompt_eval_duration": final.prompt_eval_duration,
+        "eval_count": final.eval_count,
+        "eval_duration": final.eval_duration,
+    }
+
+
+def _logprobs(chunk: Chunk) -> list[dict]:
+    return [
+        {
+            "token": lp.text,
+            "logprob": lp.logprob,
+            "top_logprobs": [{"token": text, "logprob": value} for _, text, value in lp.top],
+        }
+        for lp in chunk.logprobs
+    ]
+
+
+async def _run(req: dict, start_stream, shape_chunk, shape_final) -> AsyncIterator[dict]:
+    """Load the model, stream its chunks as API objects, end with the metrics."""
+    started = time.perf_counter_ns()
+    scheduler = state().scheduler
+    async with scheduler.use(req["model"], req["options"], req["keep_alive"]) as loaded:
+        load_ns = time.perf_counter_ns() - started
+        async with start_stream(loaded.runtime) as stream:
+            async for chunk in stream:
+                if chunk.done:
+                    yield shape_final(chunk) | _metrics(chunk, load_ns, started)
+                else:
+                    yield shape_chunk(chunk)
+
+
+async def _respond(req: dict, chunks: AsyncIterator[dict], text_key: tuple[str, ...]) -> quart.Response | dict:
+    chunks = await prime(chunks)
+    if req["stream"]:
+        return ndjson_response(chunks, _error_line)
+    # Not streaming: one object with the text concatenated and the final metrics.
+    text, logprobs, final = [], [], {}
+    async for item in chunks:
+        node = item
+        for key in text_key[:-1]:
+            node = node.get(key, {})
+        text.append(node.get(text_key[-1], ""))
+        logprobs += item.get("logprobs", [])
+        final = item
+    node = final
+    for key in text_key[:-1]:
+        node = node.setdefault(key, {})
+    node[text_key[-1]] = "".join(text)
+    if req["logprobs"]:
+        final["logprobs"] = logprobs
+    return final
+
+
+async def _load_or_unload(req: dict, base: dict) -> dict:
+    """An empty prompt: load the model (done_reason "load"), or unload it when keep_alive is 0."""
+    scheduler = state().scheduler
+    scheduler.resolve(req["model"])
+    if parse_keep_alive(req["keep_alive"]) == 0:
+        await scheduler.unload(req["model"])
+        return base | {"done": True, "done_reason": "unload"}
+    async with scheduler.use(req["model"], req["options"], req["keep_alive"]):
+        pass
+    return base | {"done": True, "done_reason": "load"}
+
+
+@bp.post("/api/generate")
+async def generate():
+    body = await read_json()
+    req = _request_common(body)
+    prompt = field(body, "prompt", str, "")
+    raw = field(body, "raw", bool, False)
+    system = field(body, "system", str, None)
+    context = field(body, "context", list, None)
+    if raw and (system or context or body.get("template")):
+        raise ApiError(400, "raw mode does not support template, system, or context")
+    state().scheduler.resolve(req["model"])
+    base = {"model": req["model"], "created_at": now_rfc3339(), "response": ""}
+    if not prompt and not body.get("images"):
+        return await _load_or_unload(req, base)
+
+    def start(runtime):
+        return runtime.generate(
+            prompt, req["options"], raw=raw, system=system, context=context, shift=req["shift"],
+            logprobs=req["logprobs"], top_logprobs=req["top_logprobs"],
+        )
+
+    def chunk_obj(chunk: Chunk) -> dict:
+        out = {"model": req["model"], "created_at": now_rfc3339(), "response": chunk.text, "done": False}
+        return out | ({"logprobs": _logprobs(chunk)} if chunk.logprobs else {})
+
+    def final_obj(chunk: Chunk) -> dict:
+        out = {"model": req["model"], "created_at": now_rfc3339(), "response": "", "done": True}
+        return out if raw else out | {"context": list(chunk.context)}
+
+    return await _respond(req, _run(req, start, chunk_obj, final_obj), ("response",))
+
+
+@bp.post("/api/chat")
+async def chat():
+    body = await read_json()
+    req = _request_common(body)
+    messages = field(body, "messages", list, [])
+    for message in messages:
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise ApiError(400, "each message must be an object with a role")
+        if not isinstance(message.get("content", ""), str):
+            raise ApiError(400, "message content must be a string")
+    state().scheduler.resolve(req["model"])
+    base = {"model": req["model"], "created_at": now_rfc3339(), "message": {"role": "assistant", "content": ""}}
+    if not messages:
+        return await _load_or_unload(req, base)
+    tools = field(body, "tools", list, None)
+
+    def start(runtime):
+        return runtime.chat(
+            messages, req["options"], tools=tools, shift=req["shift"], logprobs=req["logprobs"],
+            top_logprobs=req["top_logprobs"],
+        )
+
+    def chunk_obj(chunk: Chunk) -> dict:
+        out = {"model": req["model"], "created_at": now_rfc3339(), "message": {"role": "assistant", "content": chunk.text}, "done": False}
+        return out | ({"logprobs": _logprobs(chunk)} if chunk.logprobs else {})
+
+    def final_obj(chunk: Chunk) -> dict:
+        return {"model": req["model"], "created_at": now_rfc3339(), "message": {"role": "assistant", "content": ""}, "done": True}
+
+    return await _respond(req, _run(req, start, chunk_obj, final_obj), ("message", "content"))
+
+
+@bp.post("/api/embed")
+@bp.post("/api/embeddings")
+async def embed():
+    body = await read_json()
+    name = field(body, "model", str, required=True)
+    state().scheduler.resolve(name)
+    # No embedding architecture is installed yet; generative models do not embed.
+    raise ApiError(400, f'"{name}" does not support embeddings')

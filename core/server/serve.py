@@ -1,0 +1,52 @@
+"""Run the server: the scheduler and Hypercorn's trio worker in one nursery."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import trio
+from hypercorn.config import Config
+from hypercorn.trio import serve as hypercorn_serve
+
+from corral.scheduler import Scheduler
+from corral.server.app import create_app
+from corral.store import Store, default_store
+
+log = logging.getLogger(__name__)
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 11434
+
+
+def address_from_env() -> tuple[str, int]:
+    """CORRAL_HOST (or OLLAMA_HOST) as host and port; 127.0.0.1:11434 by default."""
+    value = os.environ.get("CORRAL_HOST") or os.environ.get("OLLAMA_HOST") or ""
+    value = value.removeprefix("http://").removeprefix("https://").rstrip("/")
+    if not value:
+        return DEFAULT_HOST, DEFAULT_PORT
+    host, sep, port = value.rpartition(":")
+    if not sep:
+        return value, DEFAULT_PORT
+    return (host.strip("[]") or DEFAULT_HOST), int(port)
+
+
+async def serve(
+    host: str = DEFAULT_HOST,
+    port: int = DEFAULT_PORT,
+    store: Store | None = None,
+    scheduler: Scheduler | None = None,
+    task_status=trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve until cancelled; `task_status.started()` reports the bound address ("host:port")."""
+    store = store or default_store()
+    async with trio.open_nursery() as nursery:
+        scheduler = await nursery.start((scheduler or Scheduler(store)).run)
+        config = Config()
+        config.bind = [f"{host}:{port}"]
+        config.accesslog = None
+        config.graceful_timeout = 1.0
+        app = create_app(scheduler, store)
+        binds = await nursery.start(hypercorn_serve, app, config)
+        log.info("corral listening on %s", binds)
+        task_status.started(binds[0].removeprefix("http://") if binds else f"{host}:{port}")

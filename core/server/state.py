@@ -1,0 +1,60 @@
+"""What every request handler reaches: the scheduler, the store, metrics, and model descriptions."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import quart
+
+from corral.engine import parameter_count, quantization_name
+from corral.gguf import GGUFFile
+from corral.scheduler import Scheduler
+from corral.store import Store
+
+
+@attrs.define
+class ServerState:
+    scheduler: Scheduler
+    store: Store
+    metrics: Any = None
+    _details: dict[str, dict] = attrs.field(factory=dict)
+
+    def details(self, path: Any, digest: str) -> dict:
+        """Ollama's `details` object for a GGUF file, cached by blob digest."""
+        if digest not in self._details:
+            self._details[digest] = describe_gguf(path)
+        return self._details[digest]
+
+
+def state() -> ServerState:
+    """The running app's ServerState."""
+    return quart.current_app.extensions["corral"]
+
+
+def describe_gguf(path: Any) -> dict:
+    """format, family, families, parameter_size and quantization_level of a GGUF file."""
+    gguf = GGUFFile.open(path)
+    try:
+        arch = gguf.architecture
+        return {
+            "parent_model": "",
+            "format": "gguf",
+            "family": arch,
+            "families": [arch],
+            "parameter_size": format_parameter_size(parameter_count(gguf)),
+            "quantization_level": quantization_name(gguf),
+        }
+    finally:
+        del gguf
+
+
+_SIZE_SUFFIXES = ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K"))
+
+
+def format_parameter_size(count: int) -> str:
+    """134515008 -> "134.52M", as Ollama shows parameter sizes."""
+    for scale, suffix in _SIZE_SUFFIXES:
+        if count >= scale:
+            return f"{count / scale:.2f}".rstrip("0").rstrip(".") + suffix
+    return str(count)
