@@ -31,3 +31,31 @@ def reference_tokens(model: str) -> list[dict]:
 
 def reference_logits(model: str, index: int) -> dict[str, np.ndarray]:
     return dict(np.load(REFERENCE / f"logits_{model}_{index}.npz"))
+
+
+@pytest.fixture(scope="session")
+def seeded_store_root(tmp_path_factory, smollm2_path, gemma3_path) -> pathlib.Path:
+    """A private model store holding the two real models (hard links into the default store)."""
+    import os
+    import shutil
+
+    from corral import store
+
+    root = tmp_path_factory.mktemp("store") / "models"
+    shutil.copytree(store.default_store().root, root, copy_function=os.link)
+    return root
+
+
+@pytest.fixture
+async def server(seeded_store_root, tmp_path, nursery):
+    """A live corral server on a free loopback port over a fresh copy of the seeded store; yields its URL."""
+    import os
+    import shutil
+
+    from corral.server.serve import serve
+    from corral.store import Store
+
+    root = tmp_path / "models"
+    shutil.copytree(seeded_store_root, root, copy_function=os.link)
+    address = await nursery.start(serve, "127.0.0.1", 0, Store(root))
+    yield f"http://{address}"

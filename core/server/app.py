@@ -7,7 +7,7 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from corral.scheduler import Scheduler
-from corral.server import models, ollama
+from corral.server import create, extras, models, ollama, openai
 from corral.server.http import ApiError, as_api_error
 from corral.server.state import ServerState
 from corral.store import Store
@@ -18,7 +18,7 @@ def create_app(scheduler: Scheduler, store: Store) -> QuartTrio:
     app = QuartTrio("corral")
     app.config.update(MAX_CONTENT_LENGTH=None, BODY_TIMEOUT=None, RESPONSE_TIMEOUT=None)
     app.extensions["corral"] = ServerState(scheduler, store)
-    for blueprint in (ollama.bp, models.bp):
+    for blueprint in (ollama.bp, models.bp, create.bp, openai.bp, extras.bp):
         app.register_blueprint(blueprint)
 
     @app.errorhandler(ApiError)

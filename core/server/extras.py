@@ -1,0 +1,5 @@
+"""(being written)"""
+
+import quart
+
+bp = quart.Blueprint("extras", __name__)
