@@ -33,3 +33,8 @@ class SlotPool:
     @property
     def free(self) -> int:
         return len(self._free)
+
+    @property
+    def waiting(self) -> int:
+        """Requests waiting for a slot."""
+        return self._available.statistics().tasks_waiting

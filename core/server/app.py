@@ -7,7 +7,7 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from corral.scheduler import Scheduler
-from corral.server import create, extras, models, ollama, openai
+from corral.server import create, extras, metrics, models, ollama, openai
 from corral.server.http import ApiError, as_api_error
 from corral.server.state import ServerState
 from corral.store import Store
@@ -17,7 +17,7 @@ def create_app(scheduler: Scheduler, store: Store) -> QuartTrio:
     """An app serving `scheduler`'s models; the caller runs the scheduler in its own nursery."""
     app = QuartTrio("corral")
     app.config.update(MAX_CONTENT_LENGTH=None, BODY_TIMEOUT=None, RESPONSE_TIMEOUT=None)
-    app.extensions["corral"] = ServerState(scheduler, store)
+    app.extensions["corral"] = ServerState(scheduler, store, metrics.install(app, scheduler))
     for blueprint in (ollama.bp, models.bp, create.bp, openai.bp, extras.bp):
         app.register_blueprint(blueprint)
 

@@ -1,5 +1,412 @@
-"""(being written)"""
+"""OpenAI's API: /v1/chat/completions, /v1/completions, /v1/embeddings and /v1/models.
 
+Requests are translated into Ollama options and run through the same scheduler and runtime as the
+Ollama endpoints; replies take OpenAI's shapes, and streams are server-sent events ending in
+`data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import secrets
+import time
+from typing import Any, AsyncIterator, Callable
+
+import attrs
 import quart
+import trio
+
+from corral.errors import InvalidModelNameError
+from corral.runner.stream import Chunk, TokenLogprob
+from corral.server.http import ApiError, field, read_json, sse_response
+from corral.server.state import state
+from corral.store import parse_name
+
+log = logging.getLogger(__name__)
 
 bp = quart.Blueprint("openai", __name__)
+
+FINGERPRINT = "fp_corral"
+MAX_TOP_LOGPROBS = 20
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the legacy completions endpoint
+
+
+@attrs.frozen
+class Completion:
+    """A validated generation request, whichever endpoint it came in on."""
+
+    model: str
+    stream: bool
+    include_usage: bool
+    options: dict[str, Any]
+    logprobs: bool
+    top_logprobs: int
+
+
+def _error_event(error: ApiError) -> dict:
+    return {"error": {"message": error.message, "type": error.kind, "param": None, "code": None}}
+
+
+def _number(body: dict, name: str, lo: float, hi: float, default: float | None = None) -> float | None:
+    value = field(body, name, (int, float), default)
+    if value is not None and not (math.isfinite(value) and lo <= value <= hi):
+        raise ApiError(400, f"{name} must be between {lo:g} and {hi:g}, got {value!r}")
+    return value
+
+
+def _integer(body: dict, name: str, lo: int, hi: int | None = None, default: int | None = None) -> int | None:
+    value = field(body, name, int, default)
+    if value is not None and (value < lo or hi is not None and value > hi):
+        bound = f"from {lo} to {hi}" if hi is not None else f"at least {lo}"
+        raise ApiError(400, f"{name} must be an integer {bound}, got {value!r}")
+    return value
+
+
+def _stop(body: dict) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(item, str) for item in stop):
+        raise ApiError(400, "stop must be a string or a list of strings")
+    return [item for item in stop if item]  # an empty stop string would end every generation at once
+
+
+def _common(body: dict, default_max_tokens: int | None) -> dict[str, Any]:
+    """The sampling fields both generation endpoints share, as Ollama options."""
+    for name in ("n", "best_of"):
+        if field(body, name, int, 1) != 1:
+            raise ApiError(400, f"{name} must be 1: corral returns one choice per request")
+    max_tokens = _integer(body, "max_completion_tokens", 1)
+    if max_tokens is None:
+        max_tokens = _integer(body, "max_tokens", 1, default=default_max_tokens)
+    options = {
+        # OpenAI's defaults, not Ollama's: an absent temperature or top_p means 1.0.
+        "temperature": _number(body, "temperature", 0, 2, 1.0),
+        "top_p": _number(body, "top_p", 0, 1, 1.0),
+        "frequency_penalty": _number(body, "frequency_penalty", -2, 2),
+        "presence_penalty": _number(body, "presence_penalty", -2, 2),
+        "seed": field(body, "seed", int),
+        "stop": _stop(body),
+        "num_predict": max_tokens,
+    }
+    return {key: value for key, value in options.items() if value is not None}
+
+
+def _request(body: dict, options: dict, logprobs: bool, top_logprobs: int) -> Completion:
+    stream = field(body, "stream", bool, False)
+    stream_options = field(body, "stream_options", dict, {})
+    include_usage = field(stream_options, "include_usage", bool, False)
+    return Completion(field(body, "model", str, required=True), stream, stream and include_usage, options, logprobs, top_logprobs)
+
+
+def _usage(final: Chunk) -> dict:
+    return {
+        "prompt_tokens": final.prompt_eval_count,
+        "completion_tokens": final.eval_count,
+        "total_tokens": final.prompt_eval_count + final.eval_count,
+        "prompt_tokens_details": {"cached_tokens": final.prompt_cached_count},
+    }
+
+
+def _finish_reason(final: Chunk) -> str:
+    return "length" if final.done_reason == "length" else "stop"
+
+
+async def _chunks(req: Completion, start: Callable[[Any], contextlib.AbstractAsyncContextManager]) -> AsyncIterator[Chunk]:
+    """The runtime's chunks for `req`, loading the model first; the last one has `done`."""
+    async with state().scheduler.use(req.model, req.options) as loaded:
+        async with start(loaded.runtime) as stream:
+            async for chunk in stream:
+                yield chunk
+
+
+async def _started(req: Completion, start) -> AsyncIterator[Chunk]:
+    """`_chunks` run up to its first chunk now, so that errors before any output get a real status code."""
+    chunks = _chunks(req, start)
+    first = await chunks.__anext__()
+
+    async def rest() -> AsyncIterator[Chunk]:
+        async with contextlib.aclosing(chunks):
+            yield first
+            async for chunk in chunks:
+                yield chunk
+
+    return rest()
+
+
+# --- /v1/chat/completions -------------------------------------------------------------------------
+
+
+def _text_content(content: Any) -> str:
+    """A message's content: a string, or the text of a list of content parts joined by newlines."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ApiError(400, "message content must be a string or a list of content parts")
+    texts = []
+    for part in content:
+        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+            raise ApiError(400, "each content part must be an object with a type")
+        if part["type"] != "text":
+            raise ApiError(400, f"content parts of type {part['type']!r} are not supported yet; send text parts")
+        if not isinstance(part.get("text"), str):
+            raise ApiError(400, "a text content part needs a string text")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def _tool_call(call: Any) -> dict:
+    # Chat templates expect Ollama's shape: arguments as an object, where OpenAI sends a JSON string.
+    if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+        raise ApiError(400, "each tool call must be an object with a function")
+    function = dict(call["function"])
+    if isinstance(function.get("arguments"), str):
+        with contextlib.suppress(json.JSONDecodeError):
+            function["arguments"] = json.loads(function["arguments"])
+    return {**call, "function": function}
+
+
+def _message(message: Any) -> dict:
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise ApiError(400, "each message must be an object with a role")
+    out = dict(message)
+    # "developer" is OpenAI's newer name for the system role; chat templates only know "system".
+    out["role"] = "system" if message["role"] == "developer" else message["role"]
+    out["content"] = _text_content(message.get("content"))
+    if message.get("tool_calls") is not None:
+        if not isinstance(message["tool_calls"], list):
+            raise ApiError(400, "tool_calls must be a list")
+        out["tool_calls"] = [_tool_call(call) for call in message["tool_calls"]]
+    return out
+
+
+def _check_response_format(body: dict) -> None:
+    response_format = field(body, "response_format", dict)
+    if response_format is None:
+        return
+    kind = response_format.get("type")
+    if kind == "text":
+        return
+    if kind in ("json_object", "json_schema"):
+        # Constrained decoding does not exist yet; answering with unconstrained text would break
+        # callers that parse the reply, so say so instead.
+        raise ApiError(400, f"response_format {kind!r} is not supported yet; omit response_format or use type 'text'")
+    raise ApiError(400, "response_format.type must be 'text', 'json_object' or 'json_schema'")
+
+
+def _chat_logprobs(logprobs: tuple[TokenLogprob, ...]) -> list[dict]:
+    return [
+        {
+            "token": lp.text,
+            "logprob": lp.logprob,
+            "bytes": list(lp.text.encode()),
+            "top_logprobs": [{"token": text, "logprob": value, "bytes": list(text.encode())} for _, text, value in lp.top],
+        }
+        for lp in logprobs
+    ]
+
+
+@bp.post("/v1/chat/completions")
+async def chat_completions():
+    body = await read_json()
+    model = field(body, "model", str, required=True)
+    messages = field(body, "messages", list, required=True)
+    if not messages:
+        raise ApiError(400, "messages must hold at least one message")
+    messages = [_message(message) for message in messages]
+    _check_response_format(body)
+    tools = field(body, "tools", list)
+    logprobs = field(body, "logprobs", bool, False)
+    top_logprobs = _integer(body, "top_logprobs", 0, MAX_TOP_LOGPROBS, 0)
+    if top_logprobs and not logprobs:
+        raise ApiError(400, "top_logprobs requires logprobs to be true")
+    req = _request(body, _common(body, None), logprobs, top_logprobs)
+    state().scheduler.resolve(model)  # unknown model: 404 before anything loads
+
+    def start(runtime):
+        return runtime.chat(messages, req.options, tools=tools, logprobs=req.logprobs, top_logprobs=req.top_logprobs)
+
+    chunks = await _started(req, start)
+    reply = {"id": f"chatcmpl-{secrets.token_hex(12)}", "created": int(time.time()), "model": req.model, "system_fingerprint": FINGERPRINT}
+    if req.stream:
+        return sse_response(_chat_events(req, reply, chunks), _error_event)
+    text, token_logprobs, final = [], [], None
+    async for chunk in chunks:
+        text.append(chunk.text)
+        token_logprobs += _chat_logprobs(chunk.logprobs)
+        final = chunk
+    choice = {
+        "index": 0,
+        "message": {"role": "assistant", "content": "".join(text)},
+        "logprobs": {"content": token_logprobs, "refusal": None} if req.logprobs else None,
+        "finish_reason": _finish_reason(final),
+    }
+    return {**reply, "object": "chat.completion", "choices": [choice], "usage": _usage(final)}
+
+
+async def _chat_events(req: Completion, reply: dict, chunks: AsyncIterator[Chunk]) -> AsyncIterator[dict]:
+    base = {**reply, "object": "chat.completion.chunk"}
+    usage = {"usage": None} if req.include_usage else {}
+
+    def event(delta: dict, finish_reason: str | None = None, logprobs: dict | None = None) -> dict:
+        return {**base, "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}], **usage}
+
+    async with contextlib.aclosing(chunks):
+        yield event({"role": "assistant", "content": ""})
+        async for chunk in chunks:
+            if chunk.done:
+                yield event({}, _finish_reason(chunk))
+                if req.include_usage:
+                    yield {**base, "choices": [], "usage": _usage(chunk)}
+            elif chunk.text or (req.logprobs and chunk.logprobs):
+                logprobs = {"content": _chat_logprobs(chunk.logprobs), "refusal": None} if req.logprobs else None
+                yield event({"content": chunk.text}, logprobs=logprobs)
+
+
+# --- /v1/completions ------------------------------------------------------------------------------
+
+
+def _prompt(body: dict) -> str:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    if not isinstance(prompt, str):
+        raise ApiError(400, "prompt must be a string or a list of one string")
+    return prompt
+
+
+@attrs.define
+class _LegacyLogprobs:
+    """The completions endpoint's logprobs: parallel lists, offsets counted in characters of the text."""
+
+    offset: int
+
+    def shape(self, logprobs: tuple[TokenLogprob, ...]) -> dict:
+        offsets = []
+        for lp in logprobs:
+            offsets.append(self.offset)
+            self.offset += len(lp.text)
+        return {
+            "tokens": [lp.text for lp in logprobs],
+            "token_logprobs": [lp.logprob for lp in logprobs],
+            "top_logprobs": [{text: value for _, text, value in lp.top} for lp in logprobs],
+            "text_offset": offsets,
+        }
+
+
+@bp.post("/v1/completions")
+async def completions():
+    body = await read_json()
+    model = field(body, "model", str, required=True)
+    prompt = _prompt(body)
+    if field(body, "suffix", str):
+        raise ApiError(400, "suffix is not supported yet; send the prompt alone")
+    echo = field(body, "echo", bool, False)
+    top_logprobs = _integer(body, "logprobs", 0, MAX_TOP_LOGPROBS)
+    if echo and top_logprobs is not None:
+        raise ApiError(400, "echo with logprobs is not supported yet: prompt tokens have no logprobs")
+    req = _request(body, _common(body, COMPLETIONS_DEFAULT_MAX_TOKENS), top_logprobs is not None, top_logprobs or 0)
+    state().scheduler.resolve(model)
+
+    def start(runtime):
+        return runtime.generate(prompt, req.options, raw=True, logprobs=req.logprobs, top_logprobs=req.top_logprobs)
+
+    chunks = await _started(req, start)
+    reply = {"id": f"cmpl-{secrets.token_hex(12)}", "object": "text_completion", "created": int(time.time()),
+             "model": req.model, "system_fingerprint": FINGERPRINT}
+    legacy = _LegacyLogprobs(len(prompt) if echo else 0)
+    if req.stream:
+        return sse_response(_completion_events(req, reply, chunks, prompt if echo else "", legacy), _error_event)
+    text, merged, final = [prompt] if echo else [], [], None
+    async for chunk in chunks:
+        text.append(chunk.text)
+        merged += chunk.logprobs
+        final = chunk
+    choice = {
+        "text": "".join(text),
+        "index": 0,
+        "logprobs": legacy.shape(tuple(merged)) if req.logprobs else None,
+        "finish_reason": _finish_reason(final),
+    }
+    return {**reply, "choices": [choice], "usage": _usage(final)}
+
+
+async def _completion_events(
+    req: Completion, reply: dict, chunks: AsyncIterator[Chunk], echoed: str, legacy: _LegacyLogprobs
+) -> AsyncIterator[dict]:
+    usage = {"usage": None} if req.include_usage else {}
+
+    def event(text: str, finish_reason: str | None = None, logprobs: dict | None = None) -> dict:
+        return {**reply, "choices": [{"text": text, "index": 0, "logprobs": logprobs, "finish_reason": finish_reason}], **usage}
+
+    async with contextlib.aclosing(chunks):
+        if echoed:
+            yield event(echoed)
+        async for chunk in chunks:
+            if chunk.done:
+                yield event("", _finish_reason(chunk))
+                if req.include_usage:
+                    yield {**reply, "choices": [], "usage": _usage(chunk)}
+            elif chunk.text or (req.logprobs and chunk.logprobs):
+                yield event(chunk.text, logprobs=legacy.shape(chunk.logprobs) if req.logprobs else None)
+
+
+# --- /v1/embeddings -------------------------------------------------------------------------------
+
+
+@bp.post("/v1/embeddings")
+async def embeddings():
+    body = await read_json()
+    model = field(body, "model", str, required=True)
+    texts = body.get("input")
+    if not (isinstance(texts, str) or isinstance(texts, list) and all(isinstance(text, str) for text in texts)):
+        raise ApiError(400, "input must be a string or a list of strings")
+    _integer(body, "dimensions", 1)
+    if field(body, "encoding_format", str, "float") not in ("float", "base64"):
+        raise ApiError(400, "encoding_format must be 'float' or 'base64'")
+    state().scheduler.resolve(model)
+    # No embedding architecture is installed yet; generative models do not embed.
+    raise ApiError(400, f'model "{model}" does not support embeddings')
+
+
+# --- /v1/models -----------------------------------------------------------------------------------
+
+
+def _model_object(name: Any, modified: float) -> dict:
+    return {"id": str(name), "object": "model", "created": int(modified), "owned_by": name.namespace}
+
+
+def _list_models() -> list[dict]:
+    return [
+        _model_object(entry.name, entry.modified_at.timestamp())
+        for entry in state().store.list()
+        if entry.manifest.model is not None
+    ]
+
+
+def _retrieve_model(model: str) -> dict:
+    try:
+        name = parse_name(model)
+    except InvalidModelNameError:
+        name = None  # no model can have this name: answer as for any other absent model
+    path = state().store.manifest_path(name) if name is not None else None
+    if path is None or not path.is_file():
+        raise ApiError(404, f'model "{model}" not found')
+    return _model_object(name, path.stat().st_mtime)
+
+
+@bp.get("/v1/models")
+async def list_models():
+    return {"object": "list", "data": await trio.to_thread.run_sync(_list_models)}
+
+
+@bp.get("/v1/models/<path:model>")
+async def retrieve_model(model: str):
+    return await trio.to_thread.run_sync(_retrieve_model, model)

@@ -1,0 +1,174 @@
+"""The Ollama API on a live server, driven by the official `ollama` client and raw HTTP."""
+
+import json
+
+import httpx
+import ollama
+import pytest
+import trio
+
+GREEDY = {"temperature": 0, "num_predict": 12}
+
+
+async def in_thread(fn, *args):
+    return await trio.to_thread.run_sync(fn, *args)
+
+
+def client(server) -> ollama.Client:
+    return ollama.Client(host=server)
+
+
+async def test_list_shows_the_store_models(server):
+    names = {m.model for m in (await in_thread(client(server).list)).models}
+    assert {"smollm2:latest", "gemma3:270m"} <= names
+
+
+async def test_show_reports_details_and_gguf_metadata(server):
+    shown = await in_thread(client(server).show, "smollm2")
+    assert shown.details.family == "llama"
+    assert shown.details.quantization_level == "Q4_1"
+    assert shown.details.parameter_size == "134.52M"
+    assert shown.modelinfo["llama.context_length"] == 8192
+    assert "completion" in shown.capabilities
+    assert "<|im_start|>" in shown.template
+
+
+async def test_generate_not_streaming_returns_text_and_metrics(server):
+    result = await in_thread(
+        lambda: client(server).generate(model="smollm2", prompt="What is the capital of France?", options=GREEDY)
+    )
+    assert "Paris" in result.response
+    assert result.done and result.done_reason in ("stop", "length")
+    assert result.eval_count > 0 and result.prompt_eval_count > 0
+    assert result.total_duration >= result.eval_duration > 0
+    assert result.context and all(isinstance(t, int) for t in result.context)
+
+
+async def test_generate_streaming_joins_to_the_same_text(server):
+    def run():
+        c = client(server)
+        streamed = list(c.generate(model="smollm2", prompt="Name a colour.", options=GREEDY, stream=True))
+        whole = c.generate(model="smollm2", prompt="Name a colour.", options=GREEDY)
+        return streamed, whole
+
+    streamed, whole = await in_thread(run)
+    assert "".join(part.response for part in streamed) == whole.response
+    assert [part.done for part in streamed].count(True) == 1 and streamed[-1].done
+
+
+async def test_chat_streaming_and_not(server):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+
+    def run():
+        c = client(server)
+        parts = list(c.chat(model="smollm2", messages=messages, options=GREEDY, stream=True))
+        return parts, c.chat(model="smollm2", messages=messages, options=GREEDY)
+
+    parts, whole = await in_thread(run)
+    assert "Paris" in whole.message.content and whole.message.role == "assistant"
+    assert "".join(p.message.content for p in parts) == whole.message.content
+    assert parts[-1].done and parts[-1].done_reason in ("stop", "length")
+
+
+async def test_ndjson_framing_byte_level(server):
+    body = {"model": "smollm2", "prompt": "Hi", "options": {"temperature": 0, "num_predict": 4}}
+    async with httpx.AsyncClient(base_url=server, timeout=60) as http:
+        response = await http.post("/api/generate", json=body)
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("application/x-ndjson")
+    raw = response.content
+    assert raw.endswith(b"\n")
+    lines = [json.loads(line) for line in raw.split(b"\n")[:-1]]
+    assert all(not line["done"] for line in lines[:-1])
+    final = lines[-1]
+    assert final["done"] is True and final["done_reason"] == "length" and final["eval_count"] == 4
+    for key in ("total_duration", "load_duration", "prompt_eval_duration", "eval_duration", "prompt_eval_count"):
+        assert isinstance(final[key], int), key
+    assert final["created_at"].endswith("Z") and isinstance(final["context"], list)
+
+
+async def test_ps_lists_a_loaded_model_and_keep_alive_zero_unloads_it(server):
+    def run():
+        c = client(server)
+        c.generate(model="smollm2", prompt="Hi", options={"num_predict": 1})
+        loaded = [m.model for m in c.ps().models]
+        c.generate(model="smollm2", prompt="Hi", options={"num_predict": 1}, keep_alive=0)
+        return loaded, [m.model for m in c.ps().models]
+
+    loaded, after = await in_thread(run)
+    assert loaded == ["smollm2:latest"]
+    assert after == []
+
+
+async def test_empty_prompt_loads_and_keep_alive_zero_unloads(server):
+    def run():
+        c = client(server)
+        loaded = c.generate(model="smollm2", prompt="")
+        ps_after_load = [m.model for m in c.ps().models]
+        unloaded = c.generate(model="smollm2", prompt="", keep_alive=0)
+        return loaded, ps_after_load, unloaded, [m.model for m in c.ps().models]
+
+    loaded, ps_after_load, unloaded, ps_after_unload = await in_thread(run)
+    assert loaded.done_reason == "load" and ps_after_load == ["smollm2:latest"]
+    assert unloaded.done_reason == "unload" and ps_after_unload == []
+
+
+async def test_copy_then_delete(server):
+    def run():
+        c = client(server)
+        c.copy("smollm2", "my-copy:v1")
+        names = {m.model for m in c.list().models}
+        c.delete("my-copy:v1")
+        return names, {m.model for m in c.list().models}, c.show("smollm2").details.family
+
+    with_copy, after_delete, family = await in_thread(run)
+    assert "my-copy:v1" in with_copy and "my-copy:v1" not in after_delete
+    assert family == "llama"  # the shared blob survived the delete
+
+
+async def test_pull_of_a_present_model_streams_progress_to_success(server):
+    statuses = await in_thread(lambda: [p.status for p in client(server).pull("smollm2", stream=True)])
+    assert statuses[0] == "pulling manifest" and statuses[-1] == "success"
+
+
+async def test_version(server):
+    async with httpx.AsyncClient(base_url=server) as http:
+        response = await http.get("/api/version")
+    assert response.status_code == 200 and response.json()["version"]
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body", "status", "message"),
+    [
+        ("post", "/api/generate", {"model": "no-such-model", "prompt": "hi"}, 404, "model 'no-such-model' not found"),
+        ("post", "/api/chat", {"messages": [{"role": "user", "content": "hi"}]}, 400, "model is required"),
+        ("post", "/api/generate", b"{not json", 400, "invalid JSON"),
+        ("post", "/api/generate", None, 400, "missing request body"),
+        ("get", "/api/generate", None, 405, None),
+        ("post", "/api/generate", {"model": "smollm2", "prompt": "x", "raw": True, "system": "s"}, 400, "raw mode"),
+        ("post", "/api/generate", {"model": "smollm2", "prompt": "x", "options": {"temperature": "hot"}}, 400, "temperature"),
+        ("post", "/api/generate", {"model": "smollm2", "prompt": "x", "keep_alive": "soon"}, 400, "keep_alive"),
+        ("post", "/api/show", {"model": "../../etc/passwd"}, 400, None),
+        ("post", "/api/embed", {"model": "smollm2", "input": "hi"}, 400, "does not support embeddings"),
+    ],
+)
+async def test_errors_have_status_and_message(server, method, path, body, status, message):
+    async with httpx.AsyncClient(base_url=server, timeout=60) as http:
+        if isinstance(body, bytes):
+            response = await http.request(method, path, content=body)
+        else:
+            response = await http.request(method, path, json=body)
+    assert response.status_code == status
+    assert "error" in response.json()
+    if message:
+        assert message in response.json()["error"]
+
+
+async def test_client_disconnect_mid_stream_leaves_the_server_serving(server):
+    body = {"model": "smollm2", "prompt": "Tell me a long story.", "options": {"num_predict": 200}}
+    async with httpx.AsyncClient(base_url=server, timeout=60) as http:
+        async with http.stream("POST", "/api/generate", json=body) as response:
+            async for _ in response.aiter_lines():
+                break  # hang up after the first chunk
+        again = await http.post("/api/generate", json={"model": "smollm2", "prompt": "Hi", "stream": False, "options": GREEDY})
+    assert again.status_code == 200 and again.json()["done"]
