@@ -106,7 +106,7 @@ class LoadedModel:
 
     def forward(self, batch: Batch, cache: CausalCache) -> np.ndarray:
         """One forward pass; float32 logits of the batch's output rows."""
-        ctx = self.backend.new_context()
+        ctx = self.backend.new_context(batch)
         view = cache.prepare(batch)
         (logits,) = ctx.compute(self.model.forward(ctx, batch, view))
         return self.backend.to_numpy(logits)

@@ -27,27 +27,53 @@ class CacheFullError(CorralError):
 
 
 class CellPool:
-    """Position and sequence tags of a set of cells shared by layers with the same window."""
+    """Position and sequence tags of a set of cells shared by layers with the same window.
 
-    def __init__(self, num_cells: int, window: int | None):
-        self.num_cells = num_cells
+    With `region_size`, each sequence owns a contiguous region of that many cells, so its keys sit
+    in the same cells, in the same order, whatever else is in the batch: attention then reads only
+    its own region and gives bit-identical results alone or batched. Without it, all sequences
+    share one region (fine for a single sequence).
+    """
+
+    def __init__(self, num_cells: int, window: int | None, region_size: int | None = None):
         self.window = window
-        self.pos = np.full(num_cells, EMPTY, dtype=np.int64)
-        self.seq = np.full(num_cells, EMPTY, dtype=np.int64)
+        self.region_size = min(region_size or num_cells, num_cells)
+        self.num_cells = num_cells - num_cells % self.region_size
+        self.shared = region_size is None
+        self.pos = np.full(self.num_cells, EMPTY, dtype=np.int64)
+        self.seq = np.full(self.num_cells, EMPTY, dtype=np.int64)
+        self.region_of: dict[int, int] = {}
 
     def allocate(self, batch: Batch) -> np.ndarray:
-        """Claim a free cell for each batch row and tag it."""
+        """Claim a free cell in its sequence's region for each batch row and tag it."""
         if self.window is not None:
             self._forget_outside_window(batch)
-        free = np.flatnonzero(self.seq == EMPTY)
-        if len(free) < len(batch):
-            raise CacheFullError(
-                f"the KV cache has {len(free)} free cells but the batch needs {len(batch)}; raise num_ctx"
-            )
-        slots = free[: len(batch)]
-        self.pos[slots] = batch.positions
-        self.seq[slots] = batch.sequences
+        slots = np.empty(len(batch), dtype=np.int64)
+        for seq in _in_order(batch.sequences):
+            rows = np.flatnonzero(batch.sequences == seq)
+            start = self.region(int(seq)) * self.region_size
+            free = np.flatnonzero(self.seq[start : start + self.region_size] == EMPTY)
+            if len(free) < len(rows):
+                raise CacheFullError(
+                    f"sequence {seq} has {len(free)} free KV cells but the batch needs {len(rows)}; raise num_ctx"
+                )
+            cells = free[: len(rows)] + start
+            self.pos[cells] = batch.positions[rows]
+            self.seq[cells] = seq
+            slots[rows] = cells
         return slots
+
+    def region(self, seq: int) -> int:
+        """The region `seq` owns, assigned on first use."""
+        if self.shared:
+            return 0
+        if seq not in self.region_of:
+            taken = set(self.region_of.values())
+            free = [r for r in range(self.num_cells // self.region_size) if r not in taken]
+            if not free:
+                raise CacheFullError("every KV cache region is in use; raise num_parallel")
+            self.region_of[seq] = free[0]
+        return self.region_of[seq]
 
     def _forget_outside_window(self, batch: Batch) -> None:
         # A cell stays useful while some future query of its sequence can still see it; queries
@@ -56,19 +82,21 @@ class CellPool:
             first_query = batch.positions[batch.sequences == seq].min()
             self.remove(int(seq), 0, int(first_query) - self.window + 1)
 
-    def used(self) -> int:
-        """Attention reads cells [0, used)."""
-        taken = np.flatnonzero(self.seq != EMPTY)
-        return int(taken[-1]) + 1 if len(taken) else 0
-
-    def mask(self, batch: Batch, used: int) -> np.ndarray:
-        """[rows, used] True where the row's query may attend to the cell."""
-        pos, seq = self.pos[None, :used], self.seq[None, :used]
-        qpos = batch.positions[:, None]
-        visible = (seq == batch.sequences[:, None]) & (pos <= qpos)
-        if self.window is not None:
-            visible &= qpos - pos < self.window
-        return visible
+    def groups(self, batch: Batch) -> list[tuple[np.ndarray, int, int, np.ndarray]]:
+        """Per sequence in the batch: its rows, its region's first cell, cells to read, and the mask."""
+        out = []
+        for seq in _in_order(batch.sequences):
+            rows = np.flatnonzero(batch.sequences == seq)
+            start = self.region(int(seq)) * self.region_size
+            region_seq = self.seq[start : start + self.region_size]
+            used = int(np.flatnonzero(region_seq != EMPTY)[-1]) + 1
+            pos, tags = self.pos[start : start + used], region_seq[:used]
+            qpos = batch.positions[rows][:, None]
+            visible = (tags[None, :] == seq) & (pos[None, :] <= qpos)
+            if self.window is not None:
+                visible &= qpos - pos[None, :] < self.window
+            out.append((rows, start, used, visible))
+        return out
 
     def cells(self, seq: int, start: int = 0, end: int | None = None) -> np.ndarray:
         """Indices of the cells of `seq` with positions in [start, end)."""
@@ -81,20 +109,37 @@ class CellPool:
         cells = self.cells(seq, start, end)
         self.seq[cells] = EMPTY
         self.pos[cells] = EMPTY
+        if seq in self.region_of and not (self.seq == seq).any():
+            del self.region_of[seq]
 
     def positions(self, seq: int) -> np.ndarray:
         """Sorted positions `seq` holds in this pool."""
         return np.sort(self.pos[self.seq == seq])
 
 
+def _in_order(sequences: np.ndarray) -> list[int]:
+    """Distinct sequence ids in order of first appearance."""
+    _, first = np.unique(sequences, return_index=True)
+    return [int(sequences[i]) for i in sorted(first)]
+
+
+@attrs.frozen
+class SeqGroup:
+    """One sequence's share of a batch in one pool: its rows, and the region cells it attends to."""
+
+    rows: Any  # slice or native int64 index of its batch rows
+    start: int  # first cell of its region
+    used: int  # attention reads cells [start, start + used)
+    mask: Any  # native bool [len(rows), used], True where a key is visible
+
+
 @attrs.frozen
 class CacheView:
-    """What the attention op needs for one batch, per layer: where to write, how far to read, what to see."""
+    """What the attention op needs for one batch, per layer: where to write, and each sequence's keys."""
 
     cache: CausalCache
     slots: dict[int, Any]  # pool index -> native int64 [rows] cell of each batch row
-    used: dict[int, int]  # pool index -> attention reads cells [0, used)
-    masks: dict[int, Any]  # pool index -> native bool [rows, used]
+    groups: dict[int, list[SeqGroup]]  # pool index -> one group per sequence in the batch
 
     def keys(self, layer: int) -> Any:
         return self.cache.keys[layer]
@@ -105,25 +150,33 @@ class CacheView:
     def layer_slots(self, layer: int) -> Any:
         return self.slots[self.cache.layer_pool[layer]]
 
-    def layer_used(self, layer: int) -> int:
-        return self.used[self.cache.layer_pool[layer]]
-
-    def mask(self, layer: int) -> Any:
-        return self.masks[self.cache.layer_pool[layer]]
+    def layer_groups(self, layer: int) -> list[SeqGroup]:
+        return self.groups[self.cache.layer_pool[layer]]
 
 
 class CausalCache:
     """Per-layer key/value buffers [kv_heads, cells, dim] over one cell pool per attention window.
 
     `num_cells` sizes the global pool (num_ctx x parallel sequences); a sliding-window pool gets
-    `window_cells` (default: enough for every sequence's window plus a batch).
+    `window_cells` (default: enough for every sequence's window plus a batch). With `num_seqs`,
+    every pool is split into that many per-sequence regions (batch-invariant attention).
     """
 
-    def __init__(self, backend: Any, layers: list[CacheLayer], num_cells: int, window_cells: int | None = None):
+    def __init__(
+        self,
+        backend: Any,
+        layers: list[CacheLayer],
+        num_cells: int,
+        window_cells: int | None = None,
+        num_seqs: int | None = None,
+    ):
         self.backend = backend
         self.layers = layers
         windows = sorted({layer.window for layer in layers}, key=lambda w: (w is not None, w or 0))
-        self.pools = [CellPool(self._pool_size(w, num_cells, window_cells), w) for w in windows]
+        self.pools = []
+        for window in windows:
+            size = self._pool_size(window, num_cells, window_cells)
+            self.pools.append(CellPool(size, window, size // num_seqs if num_seqs else None))
         self.layer_pool = [windows.index(layer.window) for layer in layers]
         self.keys, self.values = [], []
         for layer, pool in zip(layers, self.layer_pool):
@@ -138,14 +191,20 @@ class CausalCache:
         return min(num_cells, window_cells or num_cells)
 
     def prepare(self, batch: Batch) -> CacheView:
-        """Claim cells for the batch's tokens in every pool and build the attention masks."""
-        slots, used, masks = {}, {}, {}
+        """Claim cells for the batch's tokens in every pool and describe what each sequence attends to."""
+        slots, groups = {}, {}
         for index, pool in enumerate(self.pools):
-            cells = pool.allocate(batch)
-            used[index] = pool.used()
-            slots[index] = self.backend.from_numpy(cells)
-            masks[index] = self.backend.from_numpy(pool.mask(batch, used[index]))
-        return CacheView(self, slots, used, masks)
+            slots[index] = self.backend.from_numpy(pool.allocate(batch))
+            groups[index] = [
+                SeqGroup(self._rows(rows), start, used, self.backend.from_numpy(mask))
+                for rows, start, used, mask in pool.groups(batch)
+            ]
+        return CacheView(self, slots, groups)
+
+    def _rows(self, rows: np.ndarray) -> Any:
+        if rows[-1] - rows[0] + 1 == len(rows):
+            return slice(int(rows[0]), int(rows[-1]) + 1)  # contiguous: a view, no gather
+        return self.backend.from_numpy(rows)
 
     def remove(self, seq: int, start: int = 0, end: int | None = None) -> None:
         """Free the cells of `seq` whose positions are in [start, end)."""

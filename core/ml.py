@@ -14,7 +14,7 @@ import numpy as np
 from corral.gguf import GGUFFile, TensorInfo
 
 # Roles a backend loads a tensor for; each may get its own layout (packed int4 for "linear", ...).
-ROLES = ("linear", "embedding", "vector")
+ROLES = ("linear", "logits", "embedding", "vector")
 
 
 class Tensor(Protocol):
@@ -83,8 +83,8 @@ class Backend(Protocol):
     def load_tensor(self, gguf: GGUFFile, info: TensorInfo, role: str) -> Any:
         """Load one GGUF tensor for `role`; raise UnsupportedTensorTypeError for a type it cannot handle."""
 
-    def new_context(self) -> Context:
-        """A fresh graph-building context."""
+    def new_context(self, batch: Any = None) -> Context:
+        """A fresh graph-building context; knowing the batch lets a backend keep each sequence's results batch-invariant."""
 
     def kv_buffer(self, shape: Sequence[int]) -> Any:
         """A zeroed native buffer for the KV cache."""

@@ -21,6 +21,13 @@ class Linear:
 
 
 @attrs.frozen
+class Logits(Linear):
+    """The final projection to vocabulary logits: backends keep it at full precision."""
+
+    role: ClassVar[str] = "logits"
+
+
+@attrs.frozen
 class Embedding:
     role: ClassVar[str] = "embedding"
     weight: Any

@@ -48,6 +48,7 @@ TEMPLATE_MEDIA_TYPE = "application/vnd.ollama.image.template"
 SYSTEM_MEDIA_TYPE = "application/vnd.ollama.image.system"
 PARAMS_MEDIA_TYPE = "application/vnd.ollama.image.params"
 LICENSE_MEDIA_TYPE = "application/vnd.ollama.image.license"
+MESSAGES_MEDIA_TYPE = "application/vnd.ollama.image.messages"
 
 # Ollama's name rules; each part starts with a letter, digit (or `_`) so `.` and `..` never match.
 _HOST = re.compile(r"[a-z0-9_][a-z0-9_.:-]{0,349}", re.IGNORECASE)
@@ -243,8 +244,11 @@ GEMMA3_270M = PackagedModel(
 PACKAGED = {"smollm2:latest": SMOLLM2, "smollm2:135m": SMOLLM2, "gemma3:270m": GEMMA3_270M}
 
 
-class _BlobWriter:
-    """Streams bytes into a temporary file beside the blobs, hashing them; `commit` renames it."""
+class BlobWriter:
+    """Streams bytes into a temporary file beside the blobs, hashing them; `commit` renames it.
+
+    Leaving the `with` block without a commit removes the temporary file.
+    """
 
     def __init__(self, store: Store) -> None:
         self._store = store
@@ -255,7 +259,7 @@ class _BlobWriter:
         self._hash = hashlib.sha256()
         self.size = 0
 
-    def __enter__(self) -> _BlobWriter:
+    def __enter__(self) -> BlobWriter:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -312,6 +316,10 @@ class Store:
         """Whether the blob of a digest is in the store."""
         return self.blob_path(digest).is_file()
 
+    def blob_writer(self) -> BlobWriter:
+        """A writer for a blob that arrives in pieces: `write` each, then `commit(digest)`."""
+        return BlobWriter(self)
+
     def write_blob(
         self, source: bytes | str | os.PathLike | BinaryIO, digest: str | None = None
     ) -> str:
@@ -321,7 +329,7 @@ class Store:
         """
         if digest is not None:
             parse_digest(digest)
-        with _BlobWriter(self) as writer:
+        with BlobWriter(self) as writer:
             if isinstance(source, (bytes, bytearray, memoryview)):
                 writer.write(bytes(source))
             elif isinstance(source, (str, os.PathLike)):
@@ -407,8 +415,12 @@ class Store:
             if parent == self.manifests_dir or any(parent.iterdir()):
                 break
             parent.rmdir()
+        self.prune(manifest.blobs)
+
+    def prune(self, digests: Iterable[str]) -> None:
+        """Remove those of `digests` that no manifest in the store uses."""
         in_use = set().union(*(other.blobs for _, _, other in self._manifests()))
-        for digest in manifest.blobs - in_use:
+        for digest in set(digests) - in_use:
             self.blob_path(digest).unlink(missing_ok=True)
 
     def pull(self, name: str | ModelName, progress: Progress | None = None) -> Manifest:
@@ -451,7 +463,7 @@ class Store:
         def on_chunk(completed: int) -> None:
             report(_layer_progress(package, completed))
 
-        with _BlobWriter(self) as writer:
+        with BlobWriter(self) as writer:
             for requirement, member in package.parts:
                 with tempfile.TemporaryDirectory(prefix="corral-pull-") as tmp:
                     wheel = _download_wheel(requirement, Path(tmp))

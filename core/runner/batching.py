@@ -158,7 +158,7 @@ class BatchingActor:
             self._update(plan, emitting, result)
 
     def _execute(self, batch: Batch, view: Any, emitting: list[Sequence]) -> SampleResult:
-        ctx = self.model.backend.new_context()
+        ctx = self.model.backend.new_context(batch)
         (logits,) = ctx.compute(self.model.model.forward(ctx, batch, view))
         return self.chain.sample(logits, [s.sampler for s in emitting], [s.top_logprobs for s in emitting])
 

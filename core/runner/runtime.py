@@ -78,7 +78,7 @@ class Runtime:
         layers = model.model.cache_layers()
         windows = [layer.window for layer in layers if layer.window]
         window_cells = num_parallel * (max(windows) + num_batch) if windows else None
-        self.cache = CausalCache(model.backend, layers, self.num_ctx * num_parallel, window_cells)
+        self.cache = CausalCache(model.backend, layers, self.num_ctx * num_parallel, window_cells, num_seqs=num_parallel)
         self.limiter = trio.CapacityLimiter(1)  # one forward at a time per device
         self.batcher = BatchingActor(model, self.cache, self.chain, num_batch, self.limiter)
         self.slots = SlotPool(num_parallel)

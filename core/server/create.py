@@ -1,5 +1,148 @@
-"""(being written)"""
+"""Ollama's model creation endpoints: /api/create and the blob uploads it builds on (/api/blobs/<digest>).
 
+A client uploads a GGUF with `POST /api/blobs/sha256:<hex>`, then creates a model from it with
+`POST /api/create {"model", "files": {"model.gguf": "sha256:<hex>"}}`; or it derives a model from one in
+the store with `{"model", "from", "system", "parameters", ...}`. Everything a create request names is
+checked before anything is written, so each mistake gets its own status code; the writing itself is
+small (the GGUF is already in the store) and its progress is sent once it is done.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+import attrs
 import quart
+import trio
+
+from corral.modelfile import (
+    CreateModelError,
+    Modelfile,
+    ModelSpec,
+    check_spec,
+    create_model,
+    parse_messages,
+    validate_parameters,
+)
+from corral.server.http import ApiError, field, ndjson_response, read_json
+from corral.server.state import state
+from corral.store import parse_digest, parse_name
 
 bp = quart.Blueprint("create", __name__)
+
+# Upload bytes are handed to a worker thread in pieces of about this size.
+_WRITE_SIZE = 1 << 20
+
+
+@bp.post("/api/create")
+async def create():
+    body = await read_json()
+    name = field(body, "model", str, None) or field(body, "name", str, required=True)
+    stream = field(body, "stream", bool, True)
+    parse_name(name)
+    store = state().store
+    spec, events = await trio.to_thread.run_sync(_spec_from_body, body)
+    await trio.to_thread.run_sync(check_spec, store, spec)
+    await trio.to_thread.run_sync(functools.partial(create_model, store, name, spec, progress=events.append))
+    if not stream:
+        return events[-1]
+    return ndjson_response(_replay(events), lambda error: {"error": error.message})
+
+
+async def _replay(events: list[dict]) -> AsyncIterator[dict]:
+    for event in events:
+        yield event
+
+
+def _spec_from_body(body: dict) -> tuple[ModelSpec, list[dict]]:
+    """The request as a ModelSpec, and the progress already made (parsing a legacy Modelfile)."""
+    if field(body, "quantize", str, ""):
+        raise ApiError(400, "quantize is not supported: quantize the GGUF first (llama.cpp's llama-quantize)")
+    if field(body, "adapters", dict, {}):
+        raise ApiError(400, "adapters are not supported: merge the LoRA adapter into the GGUF first")
+    events: list[dict] = []
+    fields: dict[str, Any] = {}
+    text = field(body, "modelfile", str, None)
+    if text is not None:
+        # Legacy: a Modelfile whose FROM is a model name or a GGUF path on this machine; relative paths
+        # are taken from the directory of `path`, the Modelfile's own location, when the client sends it.
+        events.append({"status": "parsing modelfile"})
+        location = field(body, "path", str, None)
+        directory = Path(location).expanduser().parent if location else None
+        fields = attrs.asdict(Modelfile.parse(text).to_spec(directory), recurse=False)
+    from_model = field(body, "from", str, None)
+    files = field(body, "files", dict, None)
+    if from_model and files:
+        raise ApiError(400, "give either `from` (a model name) or `files` (uploaded GGUF blobs), not both")
+    if from_model or files:
+        fields.update(from_model=from_model, gguf_blob=_gguf_digest(files) if files else None, gguf_path=None)
+    elif not fields:
+        raise ApiError(400, "give `from` (a model name) or `files` (an uploaded GGUF: {name: digest})")
+    for key in ("template", "system"):
+        if (value := field(body, key, str, None)) is not None:
+            fields[key] = value
+    if (parameters := field(body, "parameters", dict, None)) is not None:
+        fields["parameters"] = validate_parameters(parameters)
+    if messages := field(body, "messages", list, None):
+        fields["messages"] = parse_messages(messages)
+    if (license := field(body, "license", (str, list), None)) is not None:
+        fields["license"] = _licenses(license)
+    return ModelSpec(**fields), events
+
+
+def _gguf_digest(files: dict) -> str:
+    """The digest of the one GGUF among the uploaded files."""
+    if not all(isinstance(name, str) and isinstance(digest, str) for name, digest in files.items()):
+        raise ApiError(400, "files must map file names to blob digests (sha256:<hex>)")
+    ggufs = [name for name in files if name.lower().endswith(".gguf")] or list(files)[:1]
+    others = sorted(set(files) - set(ggufs))
+    if len(ggufs) != 1 or others:
+        raise CreateModelError(
+            f"corral creates a model from one GGUF file; got {', '.join(sorted(files))}"
+            " (safetensors conversion, split GGUFs and projector files are not supported)"
+        )
+    return parse_digest(files[ggufs[0]])
+
+
+def _licenses(value: str | list) -> tuple[str, ...]:
+    texts = [value] if isinstance(value, str) else value
+    if not all(isinstance(text, str) for text in texts):
+        raise ApiError(400, "license must be a string or a list of strings")
+    return tuple(text for text in texts if text)
+
+
+def _blob_digest(digest: str) -> str:
+    """The URL's digest, validated before it names any path; Ollama also accepts `sha256-<hex>`."""
+    if digest.startswith("sha256-"):
+        digest = "sha256:" + digest.removeprefix("sha256-")
+    return parse_digest(digest)
+
+
+@bp.route("/api/blobs/<digest>", methods=["HEAD"])
+async def blob_exists(digest: str):
+    present = state().store.has_blob(_blob_digest(digest))
+    return "", 200 if present else 404
+
+
+@bp.post("/api/blobs/<digest>")
+async def upload_blob(digest: str):
+    digest = _blob_digest(digest)
+    store = state().store
+    if store.has_blob(digest):
+        # Read the body anyway: a client still sending it would see its connection cut.
+        async for _ in quart.request.body:
+            pass
+        return "", 200
+    with store.blob_writer() as writer:
+        pending, size = [], 0
+        async for chunk in quart.request.body:
+            pending.append(chunk)
+            size += len(chunk)
+            if size >= _WRITE_SIZE:
+                await trio.to_thread.run_sync(writer.write, b"".join(pending))
+                pending, size = [], 0
+        await trio.to_thread.run_sync(writer.write, b"".join(pending))
+        await trio.to_thread.run_sync(writer.commit, digest)  # DigestMismatchError: 400, nothing kept
+    return "", 201

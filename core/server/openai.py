@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import math
 import secrets
 import time
@@ -24,8 +23,6 @@ from corral.runner.stream import Chunk, TokenLogprob
 from corral.server.http import ApiError, field, read_json, sse_response
 from corral.server.state import state
 from corral.store import parse_name
-
-log = logging.getLogger(__name__)
 
 bp = quart.Blueprint("openai", __name__)
 

@@ -12,7 +12,7 @@ import attrs
 
 from corral.hookspecs import hookimpl
 from corral.model import Batch, CacheLayer, Model, TensorBinder, config_from_gguf, gguf_key, tensor
-from corral.nn import Embedding, Linear, RMSNorm
+from corral.nn import Embedding, Linear, Logits, RMSNorm
 
 SLIDING_PATTERN = 6  # layers i with i % 6 < 5 are sliding-window layers
 LOCAL_ROPE_BASE = 10000.0
@@ -87,7 +87,7 @@ class Gemma3Model(Model):
     blocks: tuple[Gemma3Block, ...]
     token_embd: Embedding = tensor("token_embd", Embedding)
     output_norm: RMSNorm = tensor("output_norm", RMSNorm)
-    output: Linear = tensor("output", Linear, fallback="token_embd")
+    output: Logits = tensor("output", Logits, fallback="token_embd")
 
     @classmethod
     def from_gguf(cls, gguf, backend):

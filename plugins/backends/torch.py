@@ -1,12 +1,13 @@
 """The PyTorch backend: CPU and CUDA.
 
 Weights (precision "auto"): Q4_0, Q4_1 and Q4_K linears stay 4-bit, packed for torch's int4
-group-32 kernel with bf16 activations; every other type (Q5_0, Q6_K, Q8_0, F16, ...) is dequantized
-once at load to the dense dtype. On CPU that is float32: measured here, torch's bf16 GEMM is no
-faster than fp32 at batch 1 and 2-4x slower for a 512-token prefill, and its bf16 output rounds
-logits to 1/8 at magnitude 20, enough to flip near-tie argmaxes (BENCHMARKS.md). On CUDA it is
-bf16. Precision "fp32" dequantizes everything to float32: the reference mode. The residual
-stream, norms and rope run in float32 either way.
+group-32 kernel with bf16 activations. Other linears (Q5_0, Q6_K, Q8_0, F16, ...) are dequantized
+once at load to bf16: torch's CPU bf16 GEMM, like the int4 kernel, gives each row the same bits
+whatever the batch (fp32 BLAS does not), which keeps every sequence's output independent of what
+it is batched with. The logits projection and embeddings stay float32, so logits are not rounded
+to bf16 (that flips near-tie argmaxes); their fp32 GEMM is made batch-invariant by chunking rows.
+Precision "fp32" dequantizes everything to float32: the reference mode. The residual stream,
+norms and rope run in float32 either way. Measurements: BENCHMARKS.md.
 
 Graphs are recorded as a list of (function, arguments) nodes and run eagerly by `compute()`; the
 recording is what lets a later step compile or replay decode-shaped graphs without model changes.
@@ -26,6 +27,7 @@ from gguf import GGMLQuantizationType as Q
 
 from corral.errors import UnsupportedTensorTypeError
 from corral.gguf import GGUFFile, TensorInfo
+from corral.model import Batch
 from corral.hookspecs import hookimpl
 from corral.plugins.backends import torch_quant
 
@@ -66,7 +68,12 @@ class TorchBackend:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.precision = precision
         reference = precision == "fp32"
-        self.dense_dtype = torch.bfloat16 if self.device.type == "cuda" and not reference else torch.float32
+        self.dtypes = {
+            "linear": torch.float32 if reference else torch.bfloat16,
+            "logits": torch.float32,
+            "embedding": torch.float32,
+            "vector": torch.float32,
+        }
         self.kv_dtype = torch.float32 if reference else torch.bfloat16
         self._dense: dict[tuple[str, torch.dtype], torch.Tensor] = {}
 
@@ -82,7 +89,7 @@ class TorchBackend:
         if role == "linear" and self._keeps_int4(info):
             codes, scales, zeros = torch_quant.int4_codes(raw, info.qtype, cols)
             return self._pack_int4(codes, scales, zeros)
-        dtype = torch.float32 if role == "vector" else self.dense_dtype
+        dtype = self.dtypes[role]
         # A tied embedding is bound as "embedding" and as "linear": one dense copy serves both.
         key = (info.name, dtype)
         if key not in self._dense:
@@ -104,8 +111,8 @@ class TorchBackend:
             packed, sz = torch_quant.pack_int4_for_cpu(codes, scales, zeros)
         return Int4Weight(packed, sz, out_features, in_features)
 
-    def new_context(self) -> TorchContext:
-        return TorchContext(self)
+    def new_context(self, batch: Batch | None = None) -> TorchContext:
+        return TorchContext(self, batch)
 
     def kv_buffer(self, shape: Sequence[int]) -> torch.Tensor:
         return torch.zeros(tuple(shape), dtype=self.kv_dtype, device=self.device)
@@ -140,9 +147,10 @@ class Node:
 class TorchContext:
     """Records ops as nodes; `compute()` replays them in order under inference mode."""
 
-    def __init__(self, backend: TorchBackend):
+    def __init__(self, backend: TorchBackend, batch: Batch | None = None):
         self.backend = backend
         self.nodes: list[tuple[Callable, tuple]] = []
+        self.row_runs = _sequence_runs(batch) if batch is not None else None
         self._rope_tables: dict[tuple, Node] = {}
 
     def record(self, fn: Callable, *args: Any) -> Node:
@@ -166,7 +174,7 @@ class TorchContext:
     def linear(self, x: Node, weight: Any, bias: Any = None) -> Node:
         if isinstance(weight, Int4Weight):
             return self.record(_int4_linear, x, weight, bias)
-        return self.record(_dense_linear, x, weight, bias)
+        return self.record(_dense_linear, x, weight, bias, self.row_runs)
 
     def rms_norm(self, x: Node, weight: torch.Tensor, eps: float) -> Node:
         return self.record(lambda t, w: F.rms_norm(t, (t.shape[-1],), w, eps), x, weight)
@@ -210,8 +218,36 @@ class TorchContext:
         return self.record(lambda t: F.gelu(t, approximate=approximate), x)
 
 
-def _dense_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    y = F.linear(x.to(w.dtype), w).float()
+def _sequence_runs(batch: Batch) -> list[tuple[int, int]]:
+    """[start, stop) row ranges of consecutive rows of one sequence."""
+    seqs = batch.sequences
+    cuts = [0] + [i for i in range(1, len(seqs)) if seqs[i] != seqs[i - 1]] + [len(seqs)]
+    return list(zip(cuts[:-1], cuts[1:]))
+
+
+SINGLES_CHUNK = 8
+
+
+def _dense_linear(
+    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, runs: list[tuple[int, int]] | None
+) -> torch.Tensor:
+    # BLAS picks its algorithm by the row count, so a row's bits depend on how many rows share
+    # the call. To keep every sequence's result independent of the batch, a multi-row run of one
+    # sequence (a prompt chunk) gets a call of its own, and single rows (decode tokens, selected
+    # outputs) go in chunks of 2..8 rows, which measured bit-identical here for any chunk size.
+    xd = x.to(w.dtype)
+    if runs is None or sum(stop - start for start, stop in runs) != x.shape[0]:
+        runs = [(i, i + 1) for i in range(x.shape[0])]
+    out = xd.new_empty((x.shape[0], w.shape[0]))
+    singles = [start for start, stop in runs if stop - start == 1]
+    for start, stop in runs:
+        if stop - start > 1:
+            out[start:stop] = F.linear(xd[start:stop], w)
+    for i in range(0, len(singles), SINGLES_CHUNK):
+        rows = singles[i : i + SINGLES_CHUNK]
+        padded = rows if len(rows) > 1 else rows * 2  # one row alone would take the gemv path
+        out[rows] = F.linear(xd[padded], w)[: len(rows)]
+    y = out.float()
     return y if bias is None else y + bias
 
 
@@ -250,17 +286,21 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Any, la
     slots = cache.layer_slots(layer)
     keys.index_copy_(1, slots, k.transpose(0, 1).to(keys.dtype))
     values.index_copy_(1, slots, v.transpose(0, 1).to(values.dtype))
-    used = cache.layer_used(layer)
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1).unsqueeze(0).to(keys.dtype),
-        keys[:, :used].unsqueeze(0),
-        values[:, :used].unsqueeze(0),
-        attn_mask=cache.mask(layer),
-        scale=scale,
-        enable_gqa=q.shape[1] != k.shape[1],
-    )
-    n = q.shape[0]
-    return out[0].transpose(0, 1).reshape(n, -1).float()
+    gqa = q.shape[1] != k.shape[1]
+    out = q.new_empty((q.shape[0], q.shape[1], values.shape[-1]))
+    # One call per sequence over its own cells only: its result never depends on the batch.
+    for group in cache.layer_groups(layer):
+        end = group.start + group.used
+        attended = F.scaled_dot_product_attention(
+            q[group.rows].transpose(0, 1).unsqueeze(0).to(keys.dtype),
+            keys[:, group.start : end].unsqueeze(0),
+            values[:, group.start : end].unsqueeze(0),
+            attn_mask=group.mask,
+            scale=scale,
+            enable_gqa=gqa,
+        )
+        out[group.rows] = attended[0].transpose(0, 1).to(out.dtype)
+    return out.reshape(q.shape[0], -1)
 
 
 def _cached_keys(keys: torch.Tensor, cells: torch.Tensor) -> torch.Tensor:

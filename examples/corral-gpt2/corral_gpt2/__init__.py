@@ -11,7 +11,7 @@ import math
 import attrs
 from corral.hookspecs import hookimpl
 from corral.model import Batch, CacheLayer, Model, TensorBinder, config_from_gguf, gguf_key, tensor
-from corral.nn import Embedding, LayerNorm, Linear
+from corral.nn import Embedding, LayerNorm, Linear, Logits
 
 __version__ = "0.1.0"
 
@@ -65,7 +65,7 @@ class GPT2Model(Model):
     token_embd: Embedding = tensor("token_embd", Embedding)
     position_embd: Embedding = tensor("position_embd", Embedding)
     output_norm: LayerNorm = tensor("output_norm", LayerNorm)
-    output: Linear = tensor("output", Linear, fallback="token_embd")
+    output: Logits = tensor("output", Logits, fallback="token_embd")
 
     @classmethod
     def from_gguf(cls, gguf, backend):

@@ -1,0 +1,384 @@
+"""A small synchronous client for a running corral (or Ollama) server, as the CLI uses it.
+
+    client = Client()                      # CORRAL_HOST / OLLAMA_HOST, default 127.0.0.1:11434
+    if client.is_running():
+        for chunk in client.chat("smollm2", [{"role": "user", "content": "Hi"}]):
+            print(chunk["message"]["content"], end="")
+
+Streaming endpoints are iterators of the server's NDJSON objects; an `{"error": ...}` answer, before
+or during a stream, raises `ServerError`. Importing this module does not import torch or the server.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import ipaddress
+import json
+import os
+import pathlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import attrs
+import httpx
+
+from corral.errors import CorralError
+from corral.options import STANDARD_OPTIONS, InvalidOptionError
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 11434
+CONNECT_TIMEOUT = 5.0
+PROBE_TIMEOUT = 1.0
+_UPLOAD_CHUNK = 1 << 20
+
+
+class ServerError(CorralError):
+    """The server answered with an error; `status` is None when it came after streaming began."""
+
+    def __init__(self, status: int | None, message: str):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+class ServerUnreachableError(CorralError):
+    """No server answers at the configured address."""
+
+
+class ModelfileError(CorralError):
+    """A Modelfile that cannot be read or turned into a create request."""
+
+
+def base_url_from_env() -> str:
+    """The server's URL from CORRAL_HOST (or OLLAMA_HOST); http://127.0.0.1:11434 by default."""
+    # The same rules as corral.server.serve.address_from_env, without importing the server.
+    value = os.environ.get("CORRAL_HOST") or os.environ.get("OLLAMA_HOST") or ""
+    scheme = "https" if value.startswith("https://") else "http"
+    value = value.removeprefix("http://").removeprefix("https://").rstrip("/")
+    host, port = value, DEFAULT_PORT
+    head, sep, tail = value.rpartition(":")
+    if sep and tail.isdigit() and (head.startswith("[") or ":" not in head):
+        host, port = head, int(tail)
+    host = host.strip("[]") or DEFAULT_HOST
+    # A server bound to every interface is reached over loopback.
+    if host in ("0.0.0.0", "::"):
+        host = DEFAULT_HOST
+    if ":" in host:
+        host = f"[{host}]"
+    return f"{scheme}://{host}:{port}"
+
+
+def _is_loopback(url: str) -> bool:
+    host = httpx.URL(url).host
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class Client:
+    """The Ollama REST API of one server, over httpx."""
+
+    def __init__(self, base_url: str | None = None, timeout: float | None = None, transport: httpx.BaseTransport | None = None):
+        self.base_url = (base_url or base_url_from_env()).rstrip("/")
+        # Generation and loading may take minutes, so only connecting is bounded by default. Proxy
+        # variables are not applied to loopback, as Go's (and so Ollama's) client does.
+        self._http = httpx.Client(
+            base_url=self.base_url,
+            timeout=httpx.Timeout(timeout, connect=CONNECT_TIMEOUT),
+            trust_env=not _is_loopback(self.base_url),
+            transport=transport,
+        )
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def is_running(self) -> bool:
+        """Whether a server answers `GET /` within a second."""
+        try:
+            return self._http.get("/", timeout=PROBE_TIMEOUT).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def version(self) -> str:
+        """The server's version string."""
+        return self._request("GET", "/api/version").json()["version"]
+
+    def generate(self, model: str, prompt: str = "", **fields: Any) -> Iterator[dict]:
+        """Stream /api/generate chunks; `fields` are the request's other fields (options, system, ...)."""
+        return self._stream("POST", "/api/generate", {"model": model, "prompt": prompt, **_given(fields)})
+
+    def chat(self, model: str, messages: list[dict], **fields: Any) -> Iterator[dict]:
+        """Stream /api/chat chunks; `fields` are the request's other fields (options, format, ...)."""
+        return self._stream("POST", "/api/chat", {"model": model, "messages": messages, **_given(fields)})
+
+    def load(self, model: str, keep_alive: Any = None) -> dict:
+        """Load a model (a generate request with an empty prompt)."""
+        return _last(self.generate(model, "", keep_alive=keep_alive))
+
+    def unload(self, model: str) -> dict:
+        """Unload a model now (an empty prompt with keep_alive 0)."""
+        return _last(self.generate(model, "", keep_alive=0))
+
+    def pull(self, model: str) -> Iterator[dict]:
+        """Stream the progress of pulling a model into the server's store."""
+        return self._stream("POST", "/api/pull", {"model": model, "stream": True})
+
+    def list(self) -> list[dict]:
+        """The models in the server's store (/api/tags)."""
+        return self._request("GET", "/api/tags").json()["models"]
+
+    def ps(self) -> list[dict]:
+        """The models loaded now (/api/ps)."""
+        return self._request("GET", "/api/ps").json()["models"]
+
+    def show(self, model: str, verbose: bool = False) -> dict:
+        """A model's Modelfile, parameters, template, details and GGUF metadata (/api/show)."""
+        return self._request("POST", "/api/show", {"model": model, "verbose": verbose}).json()
+
+    def create(self, model: str, **fields: Any) -> Iterator[dict]:
+        """Stream the progress of creating a model from Ollama's JSON fields (`from`, `files`, `system`, ...)."""
+        return self._stream("POST", "/api/create", {"model": model, **_given(fields)})
+
+    def has_blob(self, digest: str) -> bool:
+        """Whether the server holds a blob."""
+        response = self._send("HEAD", f"/api/blobs/{digest}")
+        if response.status_code in (200, 404):
+            return response.status_code == 200
+        raise _error(response)
+
+    def create_blob(self, path: str | os.PathLike, progress: Callable[[int, int], None] | None = None) -> str:
+        """Upload a file as a blob unless the server has it already; returns its digest."""
+        path = pathlib.Path(path)
+        with open(path, "rb") as file:
+            digest = "sha256:" + hashlib.file_digest(file, "sha256").hexdigest()
+        if self.has_blob(digest):
+            return digest
+        total = path.stat().st_size
+
+        def chunks() -> Iterator[bytes]:
+            sent = 0
+            with open(path, "rb") as file:
+                while chunk := file.read(_UPLOAD_CHUNK):
+                    sent += len(chunk)
+                    yield chunk
+                    if progress:
+                        progress(sent, total)
+
+        self._request("POST", f"/api/blobs/{digest}", content=chunks(), headers={"Content-Length": str(total)})
+        return digest
+
+    def copy(self, source: str, destination: str) -> None:
+        """Give a model a second name."""
+        self._request("POST", "/api/copy", {"source": source, "destination": destination})
+
+    def delete(self, model: str) -> None:
+        """Remove a model from the server's store."""
+        self._request("DELETE", "/api/delete", {"model": model})
+
+    def _send(self, method: str, path: str, body: dict | None = None, **kwargs: Any) -> httpx.Response:
+        with self._translate_errors():
+            return self._http.request(method, path, json=body, **kwargs)
+
+    def _request(self, method: str, path: str, body: dict | None = None, **kwargs: Any) -> httpx.Response:
+        response = self._send(method, path, body, **kwargs)
+        if response.is_error:
+            raise _error(response)
+        return response
+
+    def _stream(self, method: str, path: str, body: dict) -> Iterator[dict]:
+        with self._translate_errors(), self._http.stream(method, path, json=body) as response:
+            if response.is_error:
+                response.read()
+                raise _error(response)
+            if not response.headers.get("content-type", "").startswith("application/x-ndjson"):
+                # A single object, e.g. a load or `"stream": false`.
+                items = [json.loads(response.read() or b"{}")]
+            else:
+                items = (json.loads(line) for line in response.iter_lines() if line.strip())
+            for item in items:
+                if isinstance(item, dict) and "error" in item:
+                    raise ServerError(None, _message(item["error"]))
+                yield item
+
+    @contextlib.contextmanager
+    def _translate_errors(self) -> Iterator[None]:
+        try:
+            yield
+        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+            raise ServerUnreachableError(
+                f"could not connect to a corral server at {self.base_url}; start one with `corral serve` "
+                "(or point CORRAL_HOST at a running one)"
+            ) from exc
+        except httpx.TransportError as exc:
+            raise ServerError(None, f"lost the connection to {self.base_url}: {exc}") from exc
+
+
+def _given(fields: dict[str, Any]) -> dict[str, Any]:
+    """Request fields without the ones left unset, so the server's defaults apply."""
+    return {key.rstrip("_"): value for key, value in fields.items() if value is not None}
+
+
+def _last(items: Iterator[dict]) -> dict:
+    last: dict = {}
+    for last in items:
+        pass
+    return last
+
+
+def _message(error: Any) -> str:
+    # Ollama's endpoints answer {"error": "..."}, OpenAI's {"error": {"message": ...}}.
+    if isinstance(error, dict):
+        return str(error.get("message", error))
+    return str(error)
+
+
+def _error(response: httpx.Response) -> ServerError:
+    try:
+        message = _message(response.json()["error"])
+    except (ValueError, KeyError, TypeError):
+        message = response.text.strip() or response.reason_phrase
+    return ServerError(response.status_code, message)
+
+
+# ---- Modelfiles -------------------------------------------------------------------------------
+
+_COMMANDS = ("from", "parameter", "template", "system", "adapter", "license", "message", "requires")
+_ROLES = ("system", "user", "assistant", "tool")
+
+
+@attrs.frozen
+class Modelfile:
+    """A parsed Modelfile: its (command, argument) pairs in order, and the directory paths are relative to."""
+
+    commands: tuple[tuple[str, str], ...]
+    directory: pathlib.Path = pathlib.Path(".")
+
+    @classmethod
+    def read(cls, path: str | os.PathLike) -> Modelfile:
+        """Parse a Modelfile on disk; relative FROM paths are taken from its directory."""
+        path = pathlib.Path(path)
+        try:
+            text = path.read_text()
+        except OSError as exc:
+            raise ModelfileError(f"cannot read Modelfile {path}: {exc.strerror or exc}") from None
+        return cls.parse(text, path.resolve().parent)
+
+    @classmethod
+    def parse(cls, text: str, directory: pathlib.Path = pathlib.Path(".")) -> Modelfile:
+        """Parse Modelfile text: `COMMAND argument` lines, `#` comments, `"..."` and `\"\"\"...\"\"\"` values."""
+        commands: list[tuple[str, str]] = []
+        lines = iter(text.splitlines())
+        for number, line in enumerate(lines, 1):
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            command, _, rest = line.partition(" ")
+            command = command.lower()
+            if command not in _COMMANDS:
+                raise ModelfileError(f"Modelfile line {number}: unknown command {command.upper()!r}")
+            rest = rest.strip()
+            if command in ("parameter", "message"):
+                key, _, rest = rest.partition(" ")
+                value = _modelfile_value(rest.strip(), lines, number)
+                if not key or (not value and command == "parameter"):
+                    raise ModelfileError(f"Modelfile line {number}: {command.upper()} needs a name and a value")
+                commands.append((command, f"{key.lower()} {value}"))
+            else:
+                commands.append((command, _modelfile_value(rest, lines, number)))
+        if not any(command == "from" for command, _ in commands):
+            raise ModelfileError("the Modelfile has no FROM line; start it with FROM <model or .gguf file>")
+        return cls(tuple(commands), directory)
+
+    def create_fields(self, upload: Callable[[pathlib.Path], str]) -> dict[str, Any]:
+        """The create request's JSON fields; `upload` puts a local file on the server and returns its digest."""
+        fields: dict[str, Any] = {}
+        parameters: dict[str, Any] = {}
+        messages: list[dict] = []
+        for command, argument in self.commands:
+            if command == "from":
+                path = pathlib.Path(argument).expanduser()
+                path = path if path.is_absolute() else self.directory / path
+                if path.is_dir():
+                    raise ModelfileError(f"FROM {argument}: corral creates models from a .gguf file, not a directory")
+                if path.is_file():
+                    fields["files"] = {path.name: upload(path)}
+                    fields.pop("from", None)
+                else:
+                    fields["from"] = argument
+            elif command == "parameter":
+                name, _, value = argument.partition(" ")
+                typed = _parameter_value(name, value)
+                if isinstance(typed, list):
+                    parameters.setdefault(name, []).extend(typed)
+                else:
+                    parameters[name] = typed
+            elif command == "message":
+                role, _, content = argument.partition(" ")
+                if role not in _ROLES:
+                    raise ModelfileError(f"MESSAGE role must be one of {', '.join(_ROLES)}, not {role!r}")
+                messages.append({"role": role, "content": content})
+            elif command == "license":
+                fields.setdefault("license", []).append(argument)
+            elif command == "adapter":
+                raise ModelfileError("ADAPTER is not supported by corral")
+            else:  # template, system, requires
+                fields[command] = argument
+        if parameters:
+            fields["parameters"] = parameters
+        if messages:
+            fields["messages"] = messages
+        return fields
+
+
+def _modelfile_value(rest: str, lines: Iterator[str], number: int) -> str:
+    if rest.startswith('"""'):
+        body = rest[3:]
+        while '"""' not in body:
+            try:
+                body += "\n" + next(lines)
+            except StopIteration:
+                raise ModelfileError(f'Modelfile line {number}: """ is never closed') from None
+        end = body.index('"""')
+        if body[end + 3 :].strip():
+            raise ModelfileError(f'Modelfile line {number}: text after the closing """')
+        return body[:end]
+    if len(rest) >= 2 and rest[0] == rest[-1] == '"':
+        return rest[1:-1]
+    return rest
+
+
+def _parameter_value(name: str, value: str) -> Any:
+    """A PARAMETER's value typed as the option wants it (stop accumulates into a list)."""
+    field = STANDARD_OPTIONS.get(name)
+    if field is None:
+        raise ModelfileError(f"unknown parameter {name!r}; see the options in the API documentation")
+    return typed_option(name, field.metadata["kind"], value)
+
+
+def typed_option(name: str, kind: Any, value: str) -> Any:
+    """An option's text (from a Modelfile or `/set parameter`) as the JSON value of its kind."""
+    try:
+        if kind is int:
+            return int(value)
+        if kind is float:
+            return float(value)
+        if kind is bool:
+            if value.lower() not in ("true", "false"):
+                raise ValueError(value)
+            return value.lower() == "true"
+        if kind == "strings":
+            return [value]
+        return value
+    except ValueError:
+        kinds = {int: "an integer", float: "a number", bool: "true or false"}
+        raise InvalidOptionError(f"parameter {name!r} must be {kinds.get(kind, kind)}, got {value!r}") from None

@@ -1,0 +1,495 @@
+"""The Trio runtime end to end on the real models: batching, cancellation, stop strings, UTF-8, context
+limits, prefix reuse, logprobs, chat and errors.
+
+Every test opens its own runtime inside its own Trio run; a model is loaded once per session (see
+`load_each_model_once`), so opening a runtime costs only its KV cache.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import trio
+
+import corral.runner.runtime as runtime_module
+from corral.kvcache import CausalCache, shift_sequence
+from corral.model import Batch
+from corral.options import InvalidOptionError
+from corral.runner.batching import EVENT_BUFFER, Finished, Sampled, Sequence
+from corral.runner.runtime import Runtime
+from corral.runner.sequence import SequenceActor, truncate_prompt
+from corral.tokenizer import IncrementalDecoder
+
+pytestmark = pytest.mark.real_model
+
+_LOADED: dict = {}
+_REAL_LOAD_MODEL = runtime_module.load_model
+
+
+def load(path, precision: str = "auto"):
+    """The model at `path`, loaded once per session and precision."""
+    key = (str(path), precision)
+    if key not in _LOADED:
+        _LOADED[key] = _REAL_LOAD_MODEL(path, precision=precision)
+    return _LOADED[key]
+
+
+@pytest.fixture(autouse=True)
+def load_each_model_once(monkeypatch):
+    """Runtime.open runs as usual but reuses a loaded model (weights are read-only; the cache is per runtime)."""
+    monkeypatch.setattr(runtime_module, "load_model", lambda model, precision="auto", **_: load(model, precision))
+
+
+@pytest.fixture
+def model_path(request, smollm2_path, gemma3_path):
+    """The path of the model named by the test's `name` parameter."""
+    return {"smollm2": smollm2_path, "gemma3": gemma3_path}[request.node.callspec.params["name"]]
+
+
+async def complete(rt: Runtime, prompt: str, options: dict, **kwargs):
+    """The whole text and the final chunk of one request."""
+    async with rt.generate(prompt, options, **kwargs) as stream:
+        return await stream.collect()
+
+
+async def chunks_of(rt: Runtime, prompt: str, options: dict, **kwargs) -> list:
+    async with rt.generate(prompt, options, **kwargs) as stream:
+        return [chunk async for chunk in stream]
+
+
+def generated_ids(chunks) -> list[int]:
+    return [token for chunk in chunks for token in chunk.token_ids]
+
+
+STORY = "Once upon a time, in a small village by the sea, there lived"
+COUNTING = "1, 2, 3, 4, 5,"
+
+# -- batch invariance ------------------------------------------------------------------------------
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Water boils at",
+    COUNTING,
+    "The three primary colors are",
+    "In 1969, the first humans to walk on the Moon were",
+    "A haiku about autumn leaves:\n",
+    # longer than num_batch: its prompt is fed in chunks, alone and among the others
+    "Photosynthesis is the process by which green plants, algae and some bacteria turn light energy "
+    "into chemical energy. During this process, carbon dioxide and water are combined, using the energy "
+    "of sunlight captured by chlorophyll, to produce glucose and release oxygen. The glucose is then",
+]
+NUM_BATCH = 32
+BATCH_PREDICT = {"smollm2": 24, "gemma3": 12}  # gemma3's 262k vocabulary makes each step slower on CPU
+
+
+async def alone_and_together(path, options: list[dict]) -> tuple[list[str], list[str], int, int]:
+    """Each prompt's text run one at a time, then all at once in a fresh runtime; and the steps each took."""
+    async with Runtime.open(path, num_parallel=1, num_ctx=256, num_batch=NUM_BATCH) as rt:
+        alone = [(await complete(rt, prompt, opts, raw=True))[0] for prompt, opts in zip(PROMPTS, options)]
+        alone_steps = rt.batcher.stats.steps
+    together = [""] * len(PROMPTS)
+    async with Runtime.open(path, num_parallel=len(PROMPTS), num_ctx=256, num_batch=NUM_BATCH) as rt:
+
+        async def run(i):
+            together[i] = (await complete(rt, PROMPTS[i], options[i], raw=True))[0]
+
+        async with trio.open_nursery() as nursery:
+            for i in range(len(PROMPTS)):
+                nursery.start_soon(run, i)
+        together_steps = rt.batcher.stats.steps
+    return alone, together, alone_steps, together_steps
+
+
+@pytest.mark.parametrize("name", ["smollm2", "gemma3"])
+async def test_greedy_output_is_the_same_alone_and_batched(name, model_path):
+    options = [{"temperature": 0, "num_predict": BATCH_PREDICT[name]}] * len(PROMPTS)
+    alone, together, alone_steps, together_steps = await alone_and_together(model_path, options)
+    assert together_steps < alone_steps / 3, "the concurrent requests should have shared steps"
+    assert all(alone), "every prompt should produce text"
+    assert together == alone
+
+
+@pytest.mark.parametrize("name", ["smollm2", "gemma3"])
+async def test_seeded_sampling_is_the_same_alone_and_batched(name, model_path):
+    options = [{"temperature": 0.8, "seed": 1000 + i, "num_predict": BATCH_PREDICT[name]} for i in range(len(PROMPTS))]
+    alone, together, alone_steps, together_steps = await alone_and_together(model_path, options)
+    assert together_steps < alone_steps / 3
+    assert together == alone
+
+
+# -- cancellation ----------------------------------------------------------------------------------
+
+
+async def test_cancelled_requests_leave_no_sequence_cell_slot_or_task_behind(smollm2_path):
+    num_parallel, requests = 4, 200
+    long_prompt = ", ".join(str(i) for i in range(1, 60)) + ","  # several prompt chunks of NUM_BATCH
+    options = {"temperature": 0, "num_predict": 1000}  # counting never ends on its own before the cancel
+    async with Runtime.open(smollm2_path, num_parallel=1, num_ctx=512) as rt:
+        expected, _ = await complete(rt, STORY, {"temperature": 0, "num_predict": 16}, raw=True)
+
+    rng = random.Random(7)
+    plans = [(rng.uniform(0, 3), rng.choice("wait read break".split()), rng.uniform(0, 0.3), rng.randint(1, 8)) for _ in range(requests)]
+    first_chunk = [False] * requests
+    async with Runtime.open(smollm2_path, num_parallel=num_parallel, num_ctx=512, num_batch=NUM_BATCH) as rt:
+
+        async def request(i):
+            delay, how, timeout, chunks = plans[i]
+            await trio.sleep(delay)
+            prompt = long_prompt if i % 2 else COUNTING
+            # "wait": the whole request (slot wait included) runs under a timeout
+            with trio.move_on_after(timeout if how == "wait" else 60):
+                async with rt.generate(prompt, options, raw=True) as stream:
+                    with trio.move_on_after(timeout if how == "read" else 60):
+                        async for chunk in stream:
+                            assert not chunk.done
+                            first_chunk[i] = True
+                            chunks -= 1
+                            if how == "break" and chunks == 0:
+                                break
+
+        async with trio.open_nursery() as nursery:
+            for i in range(requests):
+                nursery.start_soon(request, i)
+
+        # The mix covered every stage: waiting for a slot, holding one before any token, decoding.
+        with_slot, decoding = rt.stats.requests, sum(first_chunk)
+        assert requests - with_slot > 10
+        assert with_slot - decoding > 10
+        assert decoding > 10
+
+        with trio.fail_after(5):  # a cancelled sequence task ends at its next checkpoint
+            while len(rt._nursery.child_tasks) > 1:
+                await trio.sleep(0.01)
+        [task] = rt._nursery.child_tasks
+        assert task.name.endswith("BatchingActor.run")
+        assert rt.live_sequences() == 0
+        assert rt.cache.used_cells() == 0
+        assert rt.slots.free == num_parallel
+
+        text, final = await complete(rt, STORY, {"temperature": 0, "num_predict": 16}, raw=True)
+        assert final.done_reason == "length" and text == expected
+
+
+# -- stop strings ----------------------------------------------------------------------------------
+
+
+async def test_stop_string_spanning_tokens_ends_generation_before_it(smollm2_path):
+    stop = "healer and"  # " healer" + " and" in the greedy continuation
+    async with Runtime.open(smollm2_path, num_parallel=1, num_ctx=256) as rt:
+        unstopped = await chunks_of(rt, STORY, {"temperature": 0, "num_predict": 40}, raw=True)
+        full = "".join(chunk.text for chunk in unstopped)
+        pieces = [rt.model.detokenize([t]) for t in generated_ids(unstopped)]
+        assert stop in full and not any(stop in piece for piece in pieces), "the stop text must span tokens"
+
+        stopped = await chunks_of(rt, STORY, {"temperature": 0, "num_predict": 40, "stop": ["zebra", stop]}, raw=True)
+    text = "".join(chunk.text for chunk in stopped)
+    assert stopped[-1].done and stopped[-1].done_reason == "stop"
+    assert text == full[: full.index(stop)]
+    assert stopped[-1].eval_count < unstopped[-1].eval_count
+
+
+async def test_generation_without_a_stop_string_match_is_unchanged(smollm2_path):
+    async with Runtime.open(smollm2_path, num_parallel=1, num_ctx=256) as rt:
+        plain, plain_final = await complete(rt, STORY, {"temperature": 0, "num_predict": 20}, raw=True)
+        # "Elar" is held back as a possible start of "Elaraxx" and released at the end
+        held, held_final = await complete(rt, STORY, {"temperature": 0, "num_predict": 20, "stop": ["Elaraxx"]}, raw=True)
+    assert held == plain
+    assert held_final.done_reason == plain_final.done_reason == "length"
+
+
+# -- UTF-8 -----------------------------------------------------------------------------------------
+
+# The greedy continuation repeats the line; each count ends the generation at a line end.
+UTF8_PROMPT = "🦙 日本語\n" * 4
+UTF8_PREDICT = {"smollm2": 22, "gemma3": 21}  # two lines of 11 tokens; three lines of 7
+
+
+@pytest.mark.parametrize("name", ["smollm2", "gemma3"])
+async def test_streamed_emoji_and_cjk_are_never_split(name, model_path):
+    async with Runtime.open(model_path, num_parallel=1, num_ctx=256) as rt:
+        chunks = await chunks_of(rt, UTF8_PROMPT, {"temperature": 0, "num_predict": UTF8_PREDICT[name]}, raw=True)
+        whole = await rt.detokenize(generated_ids(chunks))
+    text = "".join(chunk.text for chunk in chunks)
+    assert "🦙 日本語" in text
+    for chunk in chunks:
+        assert "\ufffd" not in chunk.text
+        assert not any(0xD800 <= ord(c) <= 0xDFFF for c in chunk.text)
+    assert text == whole
+    assert any(len(chunk.token_ids) > 1 for chunk in chunks), "some character should span tokens"
+
+
+def test_incremental_decoder_holds_byte_tokens_until_the_character_is_complete(gemma3_path):
+    tokenizer = load(gemma3_path).tokenizer
+    ids = tokenizer.encode("🦙 日本語", add_special=False)
+    assert [len(tokenizer.token_bytes(t)) for t in ids[:4]] == [1, 1, 1, 1], "gemma3 spells 🦙 in byte tokens"
+    decoder = IncrementalDecoder(tokenizer)
+    assert [decoder.feed(t) for t in ids] == ["", "", "", "🦙", " 日本", "語"]
+    assert decoder.flush() == ""
+
+
+async def test_sequence_actor_sends_a_byte_split_character_with_all_its_tokens(gemma3_path):
+    tokenizer = load(gemma3_path).tokenizer
+    ids = tokenizer.encode("🦙 日本語", add_special=False)
+    events_send, events = trio.open_memory_channel(EVENT_BUFFER + 2)
+    seq = Sequence(id=0, prompt=[2], pending=[], position=1, sampler=None, events=events_send)
+    actor = SequenceActor(seq, tokenizer, (), 0, True, resume=lambda: None)
+    for token in ids:
+        events_send.send_nowait(Sampled(token, -0.5, ((token, -0.5),)))
+    events_send.send_nowait(Finished("length"))
+    out_send, out = trio.open_memory_channel(len(ids) + 1)
+    async with events:
+        await actor.run(events, out_send)
+    chunks = [out.receive_nowait() for _ in range(4)]
+    assert [(c.text, c.token_ids) for c in chunks[:3]] == [("🦙", tuple(ids[:4])), (" 日本", (ids[4],)), ("語", (ids[5],))]
+    assert [lp.token for lp in chunks[0].logprobs] == ids[:4]
+    assert chunks[3].done and chunks[3].done_reason == "length" and chunks[3].eval_count == len(ids)
+    assert chunks[3].context == (2, *ids)
+
+
+# -- num_predict and the context -------------------------------------------------------------------
+
+
+async def test_num_predict_generates_exactly_that_many_tokens(smollm2_path):
+    async with Runtime.open(smollm2_path, num_parallel=1, num_ctx=256) as rt:
+        chunks = await chunks_of(rt, COUNTING, {"temperature": 0, "num_predict": 7}, raw=True)
+    final = chunks[-1]
+    assert len(generated_ids(chunks)) == 7 == final.eval_count
+    assert final.done_reason == "length"
+    assert len(final.context) == final.prompt_eval_count + 7
+
+
+async def test_generation_shifts_the_context_and_continues_past_num_ctx(smollm2_path):
+    async with Runtime.open(smollm2_path, num_parallel=1, num_ctx=64) as rt:
+        chunks = await chunks_of(rt, STORY, {"temperature": 0, "num_predict": 100}, raw=True)
+        positions = rt.cache.positions(0)
+    final, text = chunks[-1], "".join(c.text for c in chunks)
+    assert final.done_reason == "length" and final.eval_count == 100
+    shifts = rt.batcher.stats.shifts
+    assert shifts > 0
+    # each shift keeps num_keep (4) tokens and drops half of the other 60
+    assert positions.tolist() == list(range(final.prompt_eval_count + 99 - 30 * shifts))
+    assert "\ufffd" not in text
+    assert sum(c.isalpha() or c.isspace() or c in ".,'!?\"" for c in text) / len(text) > 0.95, text
+
+
+async def test_generation_without_shift_ends_at_num_ctx(smollm2_path):
+    async with Runtime.open(smollm2_path, num_parallel=1, num_ctx=64) as rt:
+        _, final = await complete(rt, STORY, {"temperature": 0, "num_predict": 100}, raw=True, shift=False)
+        assert rt.batcher.stats.shifts == 0
+    assert final.done_reason == "length"
+    # the cache holds 64 tokens; the token sampled from the last of them is the final one
+    assert final.eval_count == 64 - final.prompt_eval_count + 1
+
+
+async def test_num_predict_minus_two_fills_the_context_then_stops(smollm2_path):
+    async with Runtime.open(smollm2_path, num_parallel=1, num_ctx=64) as rt:
+        _, final = await complete(rt, STORY, {"temperature": 0, "num_predict": -2}, raw=True)
+        assert rt.batcher.stats.shifts == 0
+    assert final.done_reason == "length"
+    assert final.eval_count == 64 - final.prompt_eval_count + 1
+
+
+@pytest.mark.parametrize("name", ["smollm2", "gemma3"])
+def test_context_shift_equals_translating_the_kept_tokens(name, model_path):
+    """After a shift, the next logits equal those of the unshifted cache with the kept head moved right.
+
+    Attention under RoPE depends only on distances, so dropping [keep, keep + discard) and moving
+    the tail left by `discard` (the shift) must equal keeping the tail's cells as they were and
+    recomputing the head `discard` positions later, with the query at its unshifted position. (It
+    does not equal a fresh forward over the kept tokens: the tail's keys were computed while the
+    dropped tokens were still in context, as in llama.cpp.)
+    """
+    model = load(model_path, "fp32")
+    ids = model.tokenize(STORY + " a wise and kind woman named Elara. She was a skilled healer and had many friends.")
+    n, keep, discard = 30, 4, 12
+    following = ids[n : n + 3]
+    assert len(following) == 3
+
+    def filled() -> CausalCache:
+        cache = CausalCache(model.backend, model.model.cache_layers(), 64)
+        model.forward(Batch.single(ids[:n]), cache)
+        return cache
+
+    shifted = filled()
+    shifted.remove(0, keep, keep + discard)
+    shift_sequence(model.model, shifted, 0, keep + discard, -discard)
+    assert shifted.positions(0).tolist() == list(range(n - discard))
+    got = model.forward(Batch.single(following, start=n - discard, all_logits=True), shifted)
+
+    translated = filled()
+    translated.remove(0, 0, keep + discard)
+    model.forward(Batch.single(ids[:keep], start=discard), translated)
+    expected = model.forward(Batch.single(following, start=n, all_logits=True), translated)
+
+    unrotated = filled()  # positions moved but keys not re-rotated: what the test must tell apart
+    unrotated.remove(0, keep, keep + discard)
+    unrotated.shift_positions(0, keep + discard, -discard)
+    wrong = model.forward(Batch.single(following, start=n - discard, all_logits=True), unrotated)
+
+    scale = np.abs(expected).max()
+    np.testing.assert_allclose(got, expected, rtol=0, atol=1e-5 * scale)
+    assert np.abs(wrong - expected).max() > 1e-2 * scale
+
+
+# -- prompt truncation -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("length", "num_ctx", "num_keep", "expected"),
+    [
+        pytest.param(10, 10, 4, list(range(10)), id="fits"),
+        pytest.param(20, 10, 4, [0, 1, 2, 3, *range(14, 20)], id="keeps-head-drops-middle"),
+        pytest.param(20, 10, 0, list(range(10, 20)), id="no-keep-keeps-the-end"),
+        pytest.param(20, 10, 15, [*range(9), 19], id="keep-capped-below-num_ctx"),
+        pytest.param(20, 10, -1, [*range(9), 19], id="keep-all-means-the-whole-prompt-as-far-as-it-fits"),
+    ],
+)
+def test_truncate_prompt(length, num_ctx, num_keep, expected):
+    assert truncate_prompt(list(range(length)), num_ctx, num_keep) == expected
+
+
+async def test_prompt_longer_than_num_ctx_is_truncated_not_refused(smollm2_path):
+    async with Runtime.open(smollm2_path, num_parallel=1, num_ctx=64) as rt:
+        ids = await rt.tokenize(" ".join(f"word{i}" for i in range(60)))
+        assert len(ids) > 64
+        _, final = await complete(rt, "", {"temperature": 0, "num_predict": 4}, raw=True, context=ids)
+    assert final.done_reason == "length" and final.eval_count == 4
+    assert final.prompt_eval_count <= 64
+    prompt = list(final.context[: final.prompt_eval_count])
+    assert prompt == ids[:4] + ids[len(ids) - (final.prompt_eval_count - 4) :]
+
+
+async def test_chat_history_too_long_drops_the_oldest_turns_but_keeps_system_and_last(smollm2_path):
+    filler = " ".join(["The weather report said it would rain all week in the mountains."] * 4)
+    system = {"role": "system", "content": "You are a terse assistant."}
+    history = [
+        {"role": "user", "content": "First question. " + filler},
+        {"role": "assistant", "content": "First answer. " + filler},
+        {"role": "user", "content": "Second question. " + filler},
+        {"role": "assistant", "content": "Second answer, short."},
+    ]
+    last = {"role": "user", "content": "What is 2 + 2?"}
+    async with Runtime.open(smollm2_path, num_parallel=1, num_ctx=512) as rt:
+        expected = rt.model.chat_ids([system, history[-1], last])
+        num_ctx = len(expected) + 8
+        assert len(rt.model.chat_ids([system, *history[-2:], last])) > num_ctx
+        async with rt.chat([system, *history, last], {"temperature": 0, "num_predict": 4, "num_ctx": num_ctx}) as stream:
+            _, final = await stream.collect()
+    assert list(final.context[: final.prompt_eval_count]) == expected
+
+
+# -- prefix reuse ----------------------------------------------------------------------------------
+
+SHARED = (
+    "The history of the bicycle begins in the early nineteenth century, when inventors across Europe "
+    "experimented with two-wheeled machines pushed along by the rider's feet. "
+)
+
+
+@pytest.mark.parametrize("name", ["smollm2", "gemma3"])
+async def test_prefix_reuse_gives_the_output_of_a_fresh_computation(name, model_path):
+    options = {"temperature": 0, "num_predict": 12}
+    second = SHARED + "Later designs added pedals, and"
+    async with Runtime.open(model_path, num_parallel=2, num_ctx=256) as rt:
+        await complete(rt, SHARED + "The first of them was called", options, raw=True)
+        hits = rt.stats.cache_hits
+        reused_text, reused = await complete(rt, second, options, raw=True)
+        assert rt.stats.cache_hits == hits + 1
+        assert rt.stats.prompt_tokens_reused >= reused.prompt_cached_count
+    assert reused.prompt_cached_count > 20
+    async with Runtime.open(model_path, num_parallel=1, num_ctx=256) as fresh:
+        fresh_text, fresh_final = await complete(fresh, second, options, raw=True)
+    assert fresh_final.prompt_cached_count == 0
+    assert reused_text == fresh_text
+
+
+async def test_continuing_past_the_sliding_window_reuses_the_context(gemma3_path):
+    """gemma3's sliding-window layers forgot the oldest cells, yet the window before the new tokens is intact."""
+    options = {"temperature": 0, "num_predict": 6}
+    long_prompt = " ".join(SHARED for _ in range(18))
+    async with Runtime.open(gemma3_path, num_parallel=1, num_ctx=1024) as rt:
+        _, first = await complete(rt, long_prompt, options, raw=True)
+        window = rt.model.model.config.sliding_window
+        assert len(first.context) > window + 20
+        text, final = await complete(rt, " In conclusion,", options, raw=True, context=list(first.context))
+    assert final.prompt_cached_count == len(first.context) - 1
+    async with Runtime.open(gemma3_path, num_parallel=1, num_ctx=1024) as fresh:
+        fresh_text, _ = await complete(fresh, " In conclusion,", options, raw=True, context=list(first.context))
+    assert text == fresh_text
+
+
+async def test_reader_leaving_at_the_final_chunk_keeps_the_prefix_for_reuse(smollm2_path):
+    options = {"temperature": 0, "num_predict": 4}
+    async with Runtime.open(smollm2_path, num_parallel=1, num_ctx=256) as rt:
+        async with rt.generate(SHARED, options, raw=True) as stream:
+            async for chunk in stream:
+                if chunk.done:
+                    break
+        _, final = await complete(rt, SHARED + "Later designs added pedals.", options, raw=True)
+    assert final.prompt_cached_count > 20
+
+
+# -- logprobs --------------------------------------------------------------------------------------
+
+
+async def test_logprobs_of_greedy_tokens_are_the_top_alternative(smollm2_path):
+    async with Runtime.open(smollm2_path, num_parallel=1, num_ctx=256) as rt:
+        chunks = await chunks_of(rt, STORY, {"temperature": 0, "num_predict": 8}, raw=True, logprobs=True, top_logprobs=5)
+        entries = [(chunk, lp) for chunk in chunks for lp in chunk.logprobs]
+        assert [lp.token for _, lp in entries] == generated_ids(chunks)
+        for chunk, lp in entries:
+            assert lp.logprob <= 0
+            assert len(lp.top) == 5
+            values = [value for _, _, value in lp.top]
+            assert values == sorted(values, reverse=True)
+            assert lp.top[0][0] == lp.token
+            assert lp.top[0][2] == pytest.approx(lp.logprob, abs=1e-5)
+            assert lp.text == await rt.detokenize([lp.token])
+            assert all(text == rt.model.detokenize([token]) for token, text, _ in lp.top)
+    assert len(entries) == 8
+
+
+async def test_no_logprobs_unless_asked(smollm2_path):
+    async with Runtime.open(smollm2_path, num_parallel=1, num_ctx=256) as rt:
+        chunks = await chunks_of(rt, STORY, {"temperature": 0, "num_predict": 3}, raw=True)
+    assert generated_ids(chunks) and all(chunk.logprobs == () for chunk in chunks)
+
+
+# -- chat ------------------------------------------------------------------------------------------
+
+
+async def test_chat_answers_the_capital_of_france(smollm2_path):
+    async with Runtime.open(smollm2_path, num_parallel=1, num_ctx=256) as rt:
+        messages = [{"role": "user", "content": "What is the capital of France?"}]
+        async with rt.chat(messages, {"temperature": 0, "num_predict": 24}) as stream:
+            chunks = [chunk async for chunk in stream]
+    assert "Paris" in "".join(chunk.text for chunk in chunks)
+    assert len(chunks) > 2 and chunks[-1].done_reason == "stop"
+
+
+# -- errors ----------------------------------------------------------------------------------------
+
+
+async def test_invalid_option_raises_before_any_work(smollm2_path):
+    async with Runtime.open(smollm2_path, num_parallel=1, num_ctx=256) as rt:
+        with pytest.raises(InvalidOptionError, match="temperature"):
+            async with rt.generate("hi", {"temperature": "hot"}):
+                pass
+        with pytest.raises(InvalidOptionError, match="top_logprobs"):
+            async with rt.generate("hi", {"temperature": 0}, logprobs=True, top_logprobs=50):
+                pass
+        assert rt.stats.requests == 0 and rt.live_sequences() == 0
+
+
+async def test_error_in_a_sequence_reaches_its_reader_and_the_runtime_keeps_serving(smollm2_path):
+    async with Runtime.open(smollm2_path, num_parallel=1, num_ctx=256) as rt:
+        with pytest.raises(ValueError, match="empty"):
+            await complete(rt, "", {"temperature": 0}, raw=True)
+        with pytest.raises(ValueError, match="vocabulary"):
+            await complete(rt, "hi", {"temperature": 0, "num_predict": 2}, raw=True, context=[10**9])
+        text, final = await complete(rt, "The capital of France is", {"temperature": 0, "num_predict": 3}, raw=True)
+        assert "Paris" in text and final.done_reason == "length"
+        assert rt.slots.free == 1
