@@ -12,7 +12,7 @@ import json
 import pathlib
 import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import attrs
@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 from rich.table import Table
 
-from corral.client import Client, Modelfile, ServerError, ServerUnreachableError, typed_option
+from corral.client import Client, ServerError, ServerUnreachableError, modelfile_fields, typed_option
 from corral.errors import CorralError
 from corral.options import STANDARD_OPTIONS, InvalidOptionError, parse_options
 
@@ -138,11 +138,11 @@ def list_models() -> None:
 
         for entry in store.default_store().list():
             if entry.manifest.model is not None:
-                table.add_row(str(entry.name), entry.digest[:12], human_bytes(entry.size), human_time(entry.modified_at))
+                table.add_row(str(entry.name), _short_id(entry.digest), human_bytes(entry.size), human_time(entry.modified_at))
     else:
         for model in client.list():
-            modified = _parse_time(model.get("modified_at"))
-            table.add_row(model["name"], model["digest"].removeprefix("sha256:")[:12], human_bytes(model["size"]), human_time(modified))
+            modified = human_time(_parse_time(model.get("modified_at")))
+            table.add_row(model["name"], _short_id(model["digest"]), human_bytes(model["size"]), modified)
     console.print(table)
 
 
@@ -156,7 +156,7 @@ def ps() -> None:
     for model in Client().ps():
         table.add_row(
             model["name"],
-            model.get("digest", "").removeprefix("sha256:")[:12],
+            _short_id(model.get("digest", "")),
             human_bytes(model.get("size", 0)),
             _processor(model.get("size", 0), model.get("size_vram", 0)),
             str(model.get("context_length", "")),
@@ -239,16 +239,17 @@ def _short(value: Any) -> str:
 @click.option("-f", "--file", "modelfile", default="Modelfile", show_default=True, help="The Modelfile to create MODEL from.")
 @click.option("-q", "--quantize", default=None, help="Quantize the weights to this type (e.g. q4_K_M).")
 def create(model: str, modelfile: str, quantize: str | None) -> None:
-    """Create MODEL from a Modelfile (FROM a model name or a .gguf file, which is uploaded)."""
+    """Create MODEL from a Modelfile (FROM a model name, or a .gguf file, which is uploaded to the server)."""
     client = Client()
-    parsed = Modelfile.read(modelfile)
     with PullProgress() as progress:
 
         def upload(path: pathlib.Path) -> str:
-            status = f"copying {path.name}"
-            return client.create_blob(path, lambda sent, total: progress.report({"status": status, "total": total, "completed": sent}))
+            def report(sent: int, total: int) -> None:
+                progress.report({"status": f"copying {path.name}", "total": total, "completed": sent})
 
-        fields = parsed.create_fields(upload)
+            return client.create_blob(path, report)
+
+        fields = modelfile_fields(modelfile, upload)
         for event in client.create(model, quantize=quantize, **fields):
             progress.report(event)
 
@@ -451,7 +452,8 @@ class LocalChat:
             seed=None if seed is None or seed < 0 else seed,
             num_ctx=num_ctx,
         )
-        self.metrics = {"total_duration": time.perf_counter_ns() - start, "load_duration": self._load_ns, "prompt_eval_count": len(ids)}
+        elapsed = time.perf_counter_ns() - start
+        self.metrics = {"total_duration": elapsed, "load_duration": self._load_ns, "prompt_eval_count": len(ids)}
         self._load_ns = 0
 
     def describe(self) -> dict:
@@ -460,8 +462,13 @@ class LocalChat:
 
         gguf, info = self.loaded.gguf, self.loaded.info
         meta = {key: value for key, value in gguf.metadata.items() if not (isinstance(value, list) and len(value) > 64)}
+        details = {
+            "family": info.architecture,
+            "parameter_size": format_parameter_size(info.parameter_count),
+            "quantization_level": info.quantization,
+        }
         return {
-            "details": {"family": info.architecture, "parameter_size": format_parameter_size(info.parameter_count), "quantization_level": info.quantization},
+            "details": details,
             "model_info": meta,
             "template": gguf.get("tokenizer.chat_template", ""),
             "license": gguf.get("general.license", ""),
@@ -601,7 +608,8 @@ def run_command(session: ChatSession, line: str) -> bool:
         _show(session, args[0] if args else "")
     else:
         click.echo(f"Unknown command '{command}'. Type /? for help")
-    click.echo()
+    if args[:1] != ["info"]:  # the info sections end with their own blank line
+        click.echo()
     return True
 
 
@@ -639,8 +647,7 @@ def _option_value(name: str, text: str) -> Any:
         raise InvalidOptionError(f"unknown parameter '{name}'")
     if not text:
         raise InvalidOptionError(f"give a value: /set parameter {name} VALUE")
-    kind = field.metadata["kind"]
-    value = text.split() if kind == "strings" else typed_option(name, kind, text)
+    value = typed_option(name, field.metadata["kind"], text)
     parse_options({name: value})  # range checks
     return value
 
@@ -736,6 +743,14 @@ def human_bytes(num_bytes: int) -> str:
     return f"{value:.1f} {unit}"
 
 
+_DAY = 86400
+# (below this many seconds, count in units of this many seconds, unit name)
+_TIME_STEPS = (
+    (60, 1, "second"), (3600, 60, "minute"), (_DAY, 3600, "hour"), (14 * _DAY, _DAY, "day"),
+    (60 * _DAY, 7 * _DAY, "week"), (730 * _DAY, 30 * _DAY, "month"), (float("inf"), 365 * _DAY, "year"),
+)  # fmt: skip
+
+
 def human_time(when: datetime.datetime | None, now: datetime.datetime | None = None) -> str:
     """"3 minutes ago", "4 minutes from now", "Forever" (Ollama's relative times)."""
     if when is None:
@@ -744,19 +759,21 @@ def human_time(when: datetime.datetime | None, now: datetime.datetime | None = N
     seconds = (when - now).total_seconds()
     suffix = "from now" if seconds > 0 else "ago"
     seconds = abs(seconds)
-    if seconds > 100 * 365 * 86400:
+    if seconds > 100 * 365 * _DAY:
         return "Forever"
     if seconds < 1:
-        return "Less than a second ago" if suffix == "ago" else "Less than a second from now"
-    steps = ((60, 1, "second"), (3600, 60, "minute"), (86400, 3600, "hour"), (14 * 86400, 86400, "day"),
-             (60 * 86400, 7 * 86400, "week"), (730 * 86400, 30 * 86400, "month"), (float("inf"), 365 * 86400, "year"))  # fmt: skip
-    for limit, unit_seconds, name in steps:
+        return f"Less than a second {suffix}"
+    for limit, unit_seconds, name in _TIME_STEPS:
         if seconds < limit:
             count = int(seconds // unit_seconds)
             if name in ("minute", "hour") and count == 1:
                 return f"About {'a' if name == 'minute' else 'an'} {name} {suffix}"
             return f"{count} {name}{'s' if count != 1 else ''} {suffix}"
     return ""
+
+
+def _short_id(digest: str) -> str:
+    return digest.removeprefix("sha256:")[:12]
 
 
 def _parse_time(text: str | None) -> datetime.datetime | None:

@@ -20,11 +20,10 @@ import pathlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import attrs
 import httpx
 
 from corral.errors import CorralError
-from corral.options import STANDARD_OPTIONS, InvalidOptionError
+from corral.options import InvalidOptionError
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 11434
@@ -44,10 +43,6 @@ class ServerError(CorralError):
 
 class ServerUnreachableError(CorralError):
     """No server answers at the configured address."""
-
-
-class ModelfileError(CorralError):
-    """A Modelfile that cannot be read or turned into a create request."""
 
 
 def base_url_from_env() -> str:
@@ -250,123 +245,38 @@ def _error(response: httpx.Response) -> ServerError:
     return ServerError(response.status_code, message)
 
 
-# ---- Modelfiles -------------------------------------------------------------------------------
+def modelfile_fields(path: str | os.PathLike, upload: Callable[[pathlib.Path], str]) -> dict[str, Any]:
+    """A create request's JSON fields from a Modelfile on disk (FROM a .gguf: `upload` returns its digest).
 
-_COMMANDS = ("from", "parameter", "template", "system", "adapter", "license", "message", "requires")
-_ROLES = ("system", "user", "assistant", "tool")
+    A GGUF is uploaded as a blob and named in `files`, as Ollama's own CLI does, rather than sent as a
+    path in the legacy `modelfile` field: this works with a server on another machine or with another
+    view of the file system, and relative paths are taken from the Modelfile's directory here.
+    """
+    from corral.modelfile import Modelfile
 
-
-@attrs.frozen
-class Modelfile:
-    """A parsed Modelfile: its (command, argument) pairs in order, and the directory paths are relative to."""
-
-    commands: tuple[tuple[str, str], ...]
-    directory: pathlib.Path = pathlib.Path(".")
-
-    @classmethod
-    def read(cls, path: str | os.PathLike) -> Modelfile:
-        """Parse a Modelfile on disk; relative FROM paths are taken from its directory."""
-        path = pathlib.Path(path)
-        try:
-            text = path.read_text()
-        except OSError as exc:
-            raise ModelfileError(f"cannot read Modelfile {path}: {exc.strerror or exc}") from None
-        return cls.parse(text, path.resolve().parent)
-
-    @classmethod
-    def parse(cls, text: str, directory: pathlib.Path = pathlib.Path(".")) -> Modelfile:
-        """Parse Modelfile text: `COMMAND argument` lines, `#` comments, `"..."` and `\"\"\"...\"\"\"` values."""
-        commands: list[tuple[str, str]] = []
-        lines = iter(text.splitlines())
-        for number, line in enumerate(lines, 1):
-            line = line.strip()
-            if not line or line.startswith("#"):
-                continue
-            command, _, rest = line.partition(" ")
-            command = command.lower()
-            if command not in _COMMANDS:
-                raise ModelfileError(f"Modelfile line {number}: unknown command {command.upper()!r}")
-            rest = rest.strip()
-            if command in ("parameter", "message"):
-                key, _, rest = rest.partition(" ")
-                value = _modelfile_value(rest.strip(), lines, number)
-                if not key or (not value and command == "parameter"):
-                    raise ModelfileError(f"Modelfile line {number}: {command.upper()} needs a name and a value")
-                commands.append((command, f"{key.lower()} {value}"))
-            else:
-                commands.append((command, _modelfile_value(rest, lines, number)))
-        if not any(command == "from" for command, _ in commands):
-            raise ModelfileError("the Modelfile has no FROM line; start it with FROM <model or .gguf file>")
-        return cls(tuple(commands), directory)
-
-    def create_fields(self, upload: Callable[[pathlib.Path], str]) -> dict[str, Any]:
-        """The create request's JSON fields; `upload` puts a local file on the server and returns its digest."""
-        fields: dict[str, Any] = {}
-        parameters: dict[str, Any] = {}
-        messages: list[dict] = []
-        for command, argument in self.commands:
-            if command == "from":
-                path = pathlib.Path(argument).expanduser()
-                path = path if path.is_absolute() else self.directory / path
-                if path.is_dir():
-                    raise ModelfileError(f"FROM {argument}: corral creates models from a .gguf file, not a directory")
-                if path.is_file():
-                    fields["files"] = {path.name: upload(path)}
-                    fields.pop("from", None)
-                else:
-                    fields["from"] = argument
-            elif command == "parameter":
-                name, _, value = argument.partition(" ")
-                typed = _parameter_value(name, value)
-                if isinstance(typed, list):
-                    parameters.setdefault(name, []).extend(typed)
-                else:
-                    parameters[name] = typed
-            elif command == "message":
-                role, _, content = argument.partition(" ")
-                if role not in _ROLES:
-                    raise ModelfileError(f"MESSAGE role must be one of {', '.join(_ROLES)}, not {role!r}")
-                messages.append({"role": role, "content": content})
-            elif command == "license":
-                fields.setdefault("license", []).append(argument)
-            elif command == "adapter":
-                raise ModelfileError("ADAPTER is not supported by corral")
-            else:  # template, system, requires
-                fields[command] = argument
-        if parameters:
-            fields["parameters"] = parameters
-        if messages:
-            fields["messages"] = messages
-        return fields
-
-
-def _modelfile_value(rest: str, lines: Iterator[str], number: int) -> str:
-    if rest.startswith('"""'):
-        body = rest[3:]
-        while '"""' not in body:
-            try:
-                body += "\n" + next(lines)
-            except StopIteration:
-                raise ModelfileError(f'Modelfile line {number}: """ is never closed') from None
-        end = body.index('"""')
-        if body[end + 3 :].strip():
-            raise ModelfileError(f'Modelfile line {number}: text after the closing """')
-        return body[:end]
-    if len(rest) >= 2 and rest[0] == rest[-1] == '"':
-        return rest[1:-1]
-    return rest
-
-
-def _parameter_value(name: str, value: str) -> Any:
-    """A PARAMETER's value typed as the option wants it (stop accumulates into a list)."""
-    field = STANDARD_OPTIONS.get(name)
-    if field is None:
-        raise ModelfileError(f"unknown parameter {name!r}; see the options in the API documentation")
-    return typed_option(name, field.metadata["kind"], value)
+    path = pathlib.Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise CorralError(f"cannot read the Modelfile {path}: {exc.strerror or exc}") from None
+    modelfile = Modelfile.parse(text)
+    spec = modelfile.to_spec(path.resolve().parent)
+    fields: dict[str, Any] = {"template": modelfile.template, "system": modelfile.system}
+    if spec.gguf_path is not None:
+        fields["files"] = {spec.gguf_path.name: upload(spec.gguf_path)}
+    else:
+        fields["from"] = spec.from_model
+    if modelfile.parameters:
+        fields["parameters"] = modelfile.parameters
+    if modelfile.messages:
+        fields["messages"] = [message.to_json() for message in modelfile.messages]
+    if modelfile.license:
+        fields["license"] = list(modelfile.license)
+    return {key: value for key, value in fields.items() if value is not None}
 
 
 def typed_option(name: str, kind: Any, value: str) -> Any:
-    """An option's text (from a Modelfile or `/set parameter`) as the JSON value of its kind."""
+    """An option's text (as typed after `/set parameter`) as the JSON value of its kind."""
     try:
         if kind is int:
             return int(value)
@@ -377,7 +287,7 @@ def typed_option(name: str, kind: Any, value: str) -> Any:
                 raise ValueError(value)
             return value.lower() == "true"
         if kind == "strings":
-            return [value]
+            return value.split()
         return value
     except ValueError:
         kinds = {int: "an integer", float: "a number", bool: "true or false"}

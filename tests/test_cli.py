@@ -1,10 +1,32 @@
 """The command line, driven through click's runner in-process."""
 
+import datetime
 import json
+import os
+import shutil
+import socket
 
+import pytest
 from click.testing import CliRunner
 
-from corral.cli import main
+from corral.cli import human_bytes, human_time, main
+
+
+@pytest.fixture(autouse=True)
+def no_server(monkeypatch):
+    """Nothing listens at CORRAL_HOST, so the CLI works in-process (a developer's server is not used)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        monkeypatch.setenv("CORRAL_HOST", f"127.0.0.1:{sock.getsockname()[1]}")
+
+
+@pytest.fixture
+def private_store(seeded_store_root, tmp_path, monkeypatch):
+    """CORRAL_MODELS pointing at a fresh copy of the seeded store."""
+    root = tmp_path / "models"
+    shutil.copytree(seeded_store_root, root, copy_function=os.link)
+    monkeypatch.setenv("CORRAL_MODELS", str(root))
+    return root
 
 
 def invoke(*args):
@@ -68,3 +90,52 @@ def test_bench_prints_json_figures(smollm2_path):
     figures = json.loads(result.output)
     assert figures["prefill_tokens"] == 16 and figures["decode_tokens"] == 4
     assert figures["prefill_tok_s"] > 0 and figures["decode_tok_s"] > 0 and figures["peak_rss_mb"] > 0
+
+
+def test_cp_and_rm_work_on_the_store_without_a_server(private_store):
+    assert invoke("cp", "smollm2", "twin").exit_code == 0
+    assert "twin:latest" in invoke("list").output
+    removed = invoke("rm", "twin")
+    assert removed.exit_code == 0 and "deleted 'twin'" in removed.output
+    listing = invoke("list").output
+    assert "twin" not in listing and "smollm2:latest" in listing
+
+
+def test_rm_unknown_model_is_a_clear_error(private_store):
+    result = CliRunner().invoke(main, ["rm", "no-such-model"])
+    assert result.exit_code == 1
+    assert "no-such-model" in result.output and "not found" in result.output
+
+
+def test_run_format_needs_a_server():
+    result = CliRunner().invoke(main, ["run", "smollm2", "Hi", "--format", "json"])
+    assert result.exit_code == 1
+    assert "corral serve" in result.output
+
+
+def test_run_rejects_a_bad_option_before_loading():
+    result = CliRunner().invoke(main, ["run", "smollm2", "Hi", "--temperature", "-1"])
+    assert result.exit_code == 1
+    assert "temperature" in result.output
+
+
+@pytest.mark.parametrize(
+    "num_bytes, shown", [(512, "512 B"), (1_500, "1.5 KB"), (98_362_432, "98 MB"), (1_300_000_000, "1.3 GB"), (2_000_000_000, "2 GB")]
+)
+def test_sizes_read_like_ollamas(num_bytes, shown):
+    assert human_bytes(num_bytes) == shown
+
+
+@pytest.mark.parametrize(
+    "offset, shown",
+    [
+        (datetime.timedelta(seconds=-30), "30 seconds ago"),
+        (datetime.timedelta(seconds=-70), "About a minute ago"),
+        (datetime.timedelta(minutes=4, seconds=50), "4 minutes from now"),
+        (datetime.timedelta(days=-3), "3 days ago"),
+        (datetime.timedelta(days=300 * 365), "Forever"),
+    ],
+)
+def test_times_read_like_ollamas(offset, shown):
+    now = datetime.datetime(2025, 1, 1, tzinfo=datetime.timezone.utc)
+    assert human_time(now + offset, now) == shown

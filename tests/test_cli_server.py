@@ -11,7 +11,7 @@ import trio
 from click.testing import CliRunner
 
 from corral.cli import main
-from corral.client import Client, Modelfile, ModelfileError, ServerError, base_url_from_env
+from corral.client import Client, ServerError, base_url_from_env
 
 QUESTION = "What is the capital of France?"
 
@@ -122,13 +122,29 @@ async def test_stop_a_model_that_is_not_running_is_an_error(cli):
     assert "couldn't find model 'smollm2' to stop" in result.output
 
 
-@pytest.mark.xfail(reason="POST /api/create is still a stub in core/server/create.py", strict=False)
-async def test_create_from_a_modelfile_keeps_its_system_message(cli, tmp_path):
+async def test_create_from_a_modelfile_adds_the_model(cli, tmp_path):
     modelfile = tmp_path / "Modelfile"
     modelfile.write_text("FROM smollm2\nSYSTEM You are a pirate.\nPARAMETER temperature 0\n")
     result = await cli("create", "pirate", "-f", modelfile)
     assert result.exit_code == 0, result.output
     assert "success" in result.output
+    assert "pirate:latest" in (await cli("list")).output
+
+
+async def test_create_from_a_gguf_next_to_the_modelfile(cli, tmp_path, smollm2_path, monkeypatch):
+    (tmp_path / "weights.gguf").symlink_to(smollm2_path)
+    (tmp_path / "Modelfile").write_text("FROM ./weights.gguf\n")
+    monkeypatch.chdir("/")
+    result = await cli("create", "from-file", "-f", tmp_path / "Modelfile")
+    assert result.exit_code == 0, result.output
+    assert "from-file:latest" in (await cli("list")).output
+
+
+@pytest.mark.xfail(reason="/api/show does not report a created model's `system` or `parameters` yet (core/server/models.py)", strict=False)
+async def test_show_reports_a_created_models_system_message(cli, tmp_path):
+    modelfile = tmp_path / "Modelfile"
+    modelfile.write_text("FROM smollm2\nSYSTEM You are a pirate.\n")
+    assert (await cli("create", "pirate", "-f", modelfile)).exit_code == 0
     assert "You are a pirate." in (await cli("show", "pirate", "--system")).output
 
 
@@ -326,7 +342,7 @@ def test_create_from_a_model_name_sends_from(scripted, tmp_path):
     assert server.bodies("/api/create") == [{"model": "mine", "from": "smollm2", "template": "{{ .Prompt }}"}]
 
 
-# ---- the client and Modelfile parsing ---------------------------------------------------------
+# ---- the client ---------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -357,15 +373,9 @@ def test_client_is_not_running_when_nothing_listens():
     assert not Client(f"http://{unused_address()}").is_running()
 
 
-@pytest.mark.parametrize(
-    "text, error",
-    [
-        ("SYSTEM hi\n", "no FROM line"),
-        ("FROM x\nBOGUS 1\n", "unknown command 'BOGUS'"),
-        ('FROM x\nSYSTEM """never closed\n', "never closed"),
-        ("FROM x\nPARAMETER temperature\n", "needs a name and a value"),
-    ],
-)
-def test_modelfile_errors_say_what_is_wrong(text, error):
-    with pytest.raises(ModelfileError, match=error):
-        Modelfile.parse(text)
+def test_create_without_a_modelfile_says_so(scripted, tmp_path, monkeypatch):
+    scripted({})
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(main, ["create", "mine"])
+    assert result.exit_code == 1
+    assert "cannot read the Modelfile Modelfile" in result.output

@@ -129,7 +129,8 @@ def test_render_parses_back_to_the_same_modelfile(modelfile):
 
 
 def test_render_writes_instructions_in_ollama_order():
-    text = Modelfile("m", {"top_k": 5}, template="t", system="s", messages=(Message("user", "u"),), license=("l",)).render()
+    modelfile = Modelfile("m", {"top_k": 5}, template="t", system="s", messages=(Message("user", "u"),), license=("l",))
+    text = modelfile.render()
     assert text == "FROM m\nTEMPLATE t\nSYSTEM s\nPARAMETER top_k 5\nLICENSE l\nMESSAGE user u\n"
 
 

@@ -409,7 +409,7 @@ async def test_prefix_reuse_gives_the_output_of_a_fresh_computation(name, model_
 async def test_continuing_past_the_sliding_window_reuses_the_context(gemma3_path):
     """gemma3's sliding-window layers forgot the oldest cells, yet the window before the new tokens is intact."""
     options = {"temperature": 0, "num_predict": 6}
-    long_prompt = " ".join(SHARED for _ in range(18))
+    long_prompt = " ".join(SHARED for _ in range(16))
     async with Runtime.open(gemma3_path, num_parallel=1, num_ctx=1024) as rt:
         _, first = await complete(rt, long_prompt, options, raw=True)
         window = rt.model.model.config.sliding_window

@@ -61,7 +61,7 @@ async def client(server):
 def app(tmp_path):
     """An app like the server's, for its url_map (its scheduler never runs)."""
     store = Store(tmp_path / "models")
-    return create_app(Scheduler(store), store)
+    return create_app(Scheduler(store), store, None)
 
 
 # --- /health -------------------------------------------------------------------------------
@@ -171,7 +171,7 @@ async def test_slot_pool_counts_waiting_requests():
 
 def test_apps_in_one_process_keep_separate_registries(tmp_path):
     store = Store(tmp_path / "models")
-    first, second = (create_app(Scheduler(store), store) for _ in range(2))
+    first, second = (create_app(Scheduler(store), store, None) for _ in range(2))
     first.extensions["corral"].metrics.record_request("/api/tags", 200)
     assert b'endpoint="/api/tags"' not in second.extensions["corral"].metrics.exposition()
 

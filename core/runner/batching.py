@@ -160,6 +160,8 @@ class BatchingActor:
     def _execute(self, batch: Batch, view: Any, emitting: list[Sequence]) -> SampleResult:
         ctx = self.model.backend.new_context(batch)
         (logits,) = ctx.compute(self.model.model.forward(ctx, batch, view))
+        if not emitting:  # only prompt chunks: no row to sample (the chain's steps expect at least one)
+            return SampleResult([], [], [])
         return self.chain.sample(logits, [s.sampler for s in emitting], [s.top_logprobs for s in emitting])
 
     def _update(self, plan: list[tuple[Sequence, int]], emitting: list[Sequence], result: SampleResult) -> None:

@@ -20,13 +20,13 @@ import trio
 
 from corral.engine import LoadedModel, load_model
 from corral.kvcache import CausalCache
-from corral.options import Options, parse_options
+from corral.options import InvalidOptionError, Options, parse_options
 from corral.registry import Plugins
 from corral.runner.batching import EVENT_BUFFER, BatchingActor, Sequence
 from corral.runner.sequence import SequenceActor, truncate_prompt
 from corral.runner.slots import SlotPool
 from corral.runner.stream import Chunk
-from corral.sample import SamplerChain, SequenceSampler
+from corral.sample import MAX_TOP_LOGPROBS, SamplerChain, SequenceSampler
 
 
 @attrs.define
@@ -51,11 +51,14 @@ class Stream:
 
     async def __anext__(self) -> Chunk:
         try:
-            return await self._channel.receive()
+            chunk = await self._channel.receive()
         except trio.EndOfChannel:
             if "error" in self._state:
                 raise self._state.pop("error") from None
             raise StopAsyncIteration from None
+        if chunk.done:
+            self._state["finished"] = True  # the sequence ended on its own: its cells stay for reuse
+        return chunk
 
     async def collect(self) -> tuple[str, Chunk]:
         """All the text and the final chunk."""
@@ -188,6 +191,9 @@ class Runtime:
     async def _stream(
         self, prompt_ids: Callable[[], list[int]], opts: Options, shift: bool, logprobs: bool, top_logprobs: int
     ) -> AsyncIterator[Stream]:
+        if isinstance(top_logprobs, bool) or not isinstance(top_logprobs, int) or not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
+            # raised inside the batching actor's step, it would end the runtime
+            raise InvalidOptionError(f"top_logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS}, got {top_logprobs!r}")
         send, receive = trio.open_memory_channel(0)
         state: dict[str, Any] = {}
         scope = trio.CancelScope()
@@ -197,7 +203,7 @@ class Runtime:
                 yield Stream(receive, state)
         finally:
             scope.cancel()
-            self._release(state, finished=False)
+            self._release(state, finished=state.get("finished", False))
 
     async def _run_sequence(
         self,
@@ -224,6 +230,9 @@ class Runtime:
         ids = await trio.to_thread.run_sync(prompt_ids)
         if not ids:
             raise ValueError("the prompt is empty")
+        vocab = self.model.tokenizer.vocab_size
+        if not all(0 <= token < vocab for token in ids):
+            raise ValueError(f"the context has token ids outside the vocabulary of {vocab} tokens; pass back a context this model returned")
         num_keep = min(len(ids) if opts.num_keep < 0 else opts.num_keep, num_ctx - 1)  # -1: the whole prompt
         ids = truncate_prompt(ids, num_ctx, num_keep)
         num_predict, shift = (-1, False) if opts.num_predict == -2 else (opts.num_predict, shift)  # -2: fill the context

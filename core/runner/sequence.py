@@ -22,7 +22,7 @@ def truncate_prompt(ids: list[int], num_ctx: int, num_keep: int) -> list[int]:
     """Fit a prompt into the context: keep the first `num_keep` tokens and drop from the middle."""
     if len(ids) <= num_ctx:
         return ids
-    keep = min(num_keep, num_ctx - 1)
+    keep = min(len(ids) if num_keep < 0 else num_keep, num_ctx - 1)  # -1: the whole prompt
     return ids[:keep] + ids[len(ids) - (num_ctx - keep) :]
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import quart
+import trio
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
@@ -13,11 +14,11 @@ from corral.server.state import ServerState
 from corral.store import Store
 
 
-def create_app(scheduler: Scheduler, store: Store) -> QuartTrio:
-    """An app serving `scheduler`'s models; the caller runs the scheduler in its own nursery."""
-    app = QuartTrio("corral")
+def create_app(scheduler: Scheduler, store: Store, nursery: trio.Nursery) -> QuartTrio:
+    """An app serving `scheduler`'s models; `nursery` (the server's) runs background work such as pulls."""
+    app = QuartTrio("corral", static_folder=None)
     app.config.update(MAX_CONTENT_LENGTH=None, BODY_TIMEOUT=None, RESPONSE_TIMEOUT=None)
-    app.extensions["corral"] = ServerState(scheduler, store, metrics.install(app, scheduler))
+    app.extensions["corral"] = ServerState(scheduler, store, metrics.install(app, scheduler), nursery)
     for blueprint in (ollama.bp, models.bp, create.bp, openai.bp, extras.bp):
         app.register_blueprint(blueprint)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any, AsyncIterator
 
@@ -141,14 +142,15 @@ async def pull():
     def report(event: dict) -> None:
         trio.from_thread.run(send.send, event)
 
+    # The pull runs in the server's nursery; the response only reads its progress.
+    state().nursery.start_soon(_pull_then_close, state().store, name, report, send)
+
     async def progress() -> AsyncIterator[dict]:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(_pull_then_close, name, report, send)
-            async with receive:
-                async for event in receive:
-                    if "error" in event:
-                        raise event["error"]
-                    yield event
+        async with receive:
+            async for event in receive:
+                if "error" in event:
+                    raise event["error"]
+                yield event
 
     events = progress()
     if stream:
@@ -159,9 +161,12 @@ async def pull():
     return last
 
 
-async def _pull_then_close(name: str, report, send: trio.MemorySendChannel) -> None:
+async def _pull_then_close(store, name: str, report, send: trio.MemorySendChannel) -> None:
     async with send:
         try:
-            await trio.to_thread.run_sync(functools.partial(state().store.pull, name, progress=report))
+            await trio.to_thread.run_sync(functools.partial(store.pull, name, progress=report))
+        except trio.BrokenResourceError:
+            pass  # the client went away; the blob writer cleaned up
         except Exception as exc:  # noqa: BLE001 - delivered to the streaming client
-            await send.send({"error": exc})
+            with contextlib.suppress(trio.BrokenResourceError):
+                await send.send({"error": exc})

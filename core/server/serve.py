@@ -46,7 +46,7 @@ async def serve(
         config.bind = [f"{host}:{port}"]
         config.accesslog = None
         config.graceful_timeout = 1.0
-        app = create_app(scheduler, store)
+        app = create_app(scheduler, store, nursery)
         binds = await nursery.start(hypercorn_serve, app, config)
         log.info("corral listening on %s", binds)
         task_status.started(binds[0].removeprefix("http://") if binds else f"{host}:{port}")

@@ -18,6 +18,7 @@ class ServerState:
     scheduler: Scheduler
     store: Store
     metrics: Any = None
+    nursery: Any = None  # the server's nursery, for work that outlives a request handler (pulls)
     _details: dict[str, dict] = attrs.field(factory=dict)
 
     def details(self, path: Any, digest: str) -> dict:
