@@ -79,12 +79,16 @@ class Client:
 
     def __init__(self, base_url: str | None = None, timeout: float | None = None, transport: httpx.BaseTransport | None = None):
         self.base_url = (base_url or base_url_from_env()).rstrip("/")
+        try:
+            loopback = _is_loopback(self.base_url)
+        except httpx.InvalidURL:
+            raise CorralError(f"{self.base_url} is not a server address; set CORRAL_HOST to host:port") from None
         # Generation and loading may take minutes, so only connecting is bounded by default. Proxy
         # variables are not applied to loopback, as Go's (and so Ollama's) client does.
         self._http = httpx.Client(
             base_url=self.base_url,
             timeout=httpx.Timeout(timeout, connect=CONNECT_TIMEOUT),
-            trust_env=not _is_loopback(self.base_url),
+            trust_env=not loopback,
             transport=transport,
         )
 

@@ -82,6 +82,7 @@ class LoadedModel:
         self.backend = backend
         self.tokenizer = tokenizer
         self.template = ChatTemplate.from_metadata(gguf.metadata, gguf.architecture)
+
         self.info = ModelInfo(
             architecture=gguf.architecture,
             name=str(gguf.get("general.name", path.stem)),
@@ -91,6 +92,11 @@ class LoadedModel:
             file_size=path.stat().st_size,
             load_seconds=load_seconds,
         )
+
+    def use_template(self, source: str) -> None:
+        """Render chats with `source` (a Jinja chat template, e.g. a Modelfile's TEMPLATE) instead of the file's."""
+        metadata = {**self.gguf.metadata, "tokenizer.chat_template": source}
+        self.template = ChatTemplate.from_metadata(metadata, self.gguf.architecture)
 
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
         """Token ids of `text` (BOS added when the model wants it and add_special is true)."""

@@ -21,6 +21,7 @@ import attrs
 import trio
 
 from corral.errors import CorralError, ModelNotFoundError
+from corral.modelfile import is_go_template, model_defaults
 from corral.options import LOAD_TIME_OPTIONS
 from corral.registry import Plugins
 from corral.runner.runtime import Runtime
@@ -182,8 +183,14 @@ class Scheduler:
         try:
             num_ctx = entry.load_options.get("num_ctx") or self.default_num_ctx
             num_batch = entry.load_options.get("num_batch") or 512
+            template = await trio.to_thread.run_sync(self._template, entry.name)
             async with Runtime.open(
-                str(entry.path), num_parallel=self.num_parallel, num_ctx=num_ctx, num_batch=num_batch, plugins=self.plugins
+                str(entry.path),
+                num_parallel=self.num_parallel,
+                num_ctx=num_ctx,
+                num_batch=num_batch,
+                plugins=self.plugins,
+                template=template,
             ) as runtime:
                 entry.runtime = runtime
                 task_status.started()
@@ -192,6 +199,14 @@ class Scheduler:
             entry.stopped.set()
             if self.loaded.get(entry.name) is entry:
                 del self.loaded[entry.name]
+
+    def _template(self, name: str) -> str | None:
+        """A Modelfile TEMPLATE to use instead of the file's, when it is a Jinja chat template."""
+        template = model_defaults(self.store, name).template
+        if template and is_go_template(template):
+            log.warning("%s: its TEMPLATE is an Ollama Go template, which corral cannot render; using the file's", name)
+            return None
+        return template or None
 
     def _release(self, entry: Loaded, keep_alive: float) -> None:
         entry.users -= 1

@@ -61,7 +61,6 @@ async def test_created_model_is_listed(client):
     assert "terse:latest" in names
 
 
-@pytest.mark.xfail(strict=True, reason="/api/show (models.py) does not read the system/params layers yet")
 async def test_show_reports_the_created_system_and_parameters(client):
     await in_thread(client.create, "terse", from_="smollm2", system="Be terse.", parameters={"temperature": 0.1})
     shown = await in_thread(client.show, "terse")

@@ -105,11 +105,6 @@ async def test_requests_total_labels_unmatched_paths_alike(client):
     assert not any("/no/such/path" in str(labels) for _, labels in samples)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="integration step: ollama._run must take `metrics = state().metrics` before its loop and call "
-    "metrics.record_generation(chunk.prompt_eval_count, chunk.eval_count) on the done chunk",
-)
 async def test_token_counters_move_with_a_generation(client):
     before = await scrape(client)
     final = await generate_three_tokens(client)

@@ -100,12 +100,18 @@ class Runtime:
         precision: str = "auto",
         device: str | None = None,
         plugins: Plugins | None = None,
+        template: str | None = None,
     ) -> AsyncIterator[Runtime]:
-        """Load `model` (a store name or a GGUF path) and serve it until the block exits."""
+        """Load `model` (a store name or a GGUF path) and serve it until the block exits.
+
+        `template` replaces the file's chat template (a Jinja chat template).
+        """
         plugins = plugins or Plugins()
         loaded = await trio.to_thread.run_sync(
             functools.partial(load_model, model, precision=precision, device=device, plugins=plugins)
         )
+        if template:
+            loaded.use_template(template)
         async with trio.open_nursery() as nursery:
             runtime = cls(loaded, nursery, plugins, num_parallel, num_ctx, num_batch)
             await nursery.start(runtime.batcher.run)

@@ -104,18 +104,6 @@ def now_rfc3339() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat().replace("+00:00", "Z")
 
 
-async def prime(chunks: AsyncIterator[Any]) -> AsyncIterator[Any]:
-    """Run `chunks` up to its first item now, so errors before streaming get a real status code."""
-    first = await chunks.__anext__()
-
-    async def rest() -> AsyncIterator[Any]:
-        yield first
-        async for item in chunks:
-            yield item
-
-    return rest()
-
-
 def ndjson_response(chunks: AsyncIterator[dict], on_error: Callable[[ApiError], dict]) -> quart.Response:
     """One JSON object per line; an error after streaming began becomes a final error line."""
 

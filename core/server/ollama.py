@@ -9,7 +9,8 @@ import quart
 
 from corral.runner.stream import Chunk
 from corral.scheduler import parse_keep_alive
-from corral.server.http import ApiError, field, ndjson_response, now_rfc3339, prime, read_json
+from corral.server import generation
+from corral.server.http import ApiError, field, ndjson_response, now_rfc3339, read_json
 from corral.server.state import state
 
 bp = quart.Blueprint("ollama", __name__)
@@ -55,22 +56,20 @@ def _logprobs(chunk: Chunk) -> list[dict]:
     ]
 
 
-async def _run(req: dict, start_stream, shape_chunk, shape_final) -> AsyncIterator[dict]:
-    """Load the model, stream its chunks as API objects, end with the metrics."""
+async def _run(req: dict, start, shape_chunk, shape_final) -> AsyncIterator[dict]:
+    """Stream the request's chunks as API objects, ending with the metrics."""
     started = time.perf_counter_ns()
-    scheduler = state().scheduler
-    async with scheduler.use(req["model"], req["options"], req["keep_alive"]) as loaded:
-        load_ns = time.perf_counter_ns() - started
-        async with start_stream(loaded.runtime) as stream:
-            async for chunk in stream:
-                if chunk.done:
-                    yield shape_final(chunk) | _metrics(chunk, load_ns, started)
-                else:
-                    yield shape_chunk(chunk)
+    load_ns = 0
+    async for chunk in generation.chunks(req["model"], req["options"], req["keep_alive"], start):
+        load_ns = load_ns or time.perf_counter_ns() - started  # includes waiting for the model
+        if chunk.done:
+            yield shape_final(chunk) | _metrics(chunk, load_ns, started)
+        else:
+            yield shape_chunk(chunk)
 
 
 async def _respond(req: dict, chunks: AsyncIterator[dict], text_key: tuple[str, ...]) -> quart.Response | dict:
-    chunks = await prime(chunks)
+    chunks = await generation.started(chunks)
     if req["stream"]:
         return ndjson_response(chunks, _error_line)
     # Not streaming: one object with the text concatenated and the final metrics.
@@ -118,10 +117,10 @@ async def generate():
     if not prompt and not body.get("images"):
         return await _load_or_unload(req, base)
 
-    def start(runtime):
-        return runtime.generate(
-            prompt, req["options"], raw=raw, system=system, context=context, shift=req["shift"],
-            logprobs=req["logprobs"], top_logprobs=req["top_logprobs"],
+    def start(run: generation.Prepared):
+        return run.runtime.generate(
+            prompt, run.options, raw=raw, system=system or (None if raw else run.defaults.system), context=context,
+            shift=req["shift"], logprobs=req["logprobs"], top_logprobs=req["top_logprobs"],
         )
 
     def chunk_obj(chunk: Chunk) -> dict:
@@ -151,9 +150,9 @@ async def chat():
         return await _load_or_unload(req, base)
     tools = field(body, "tools", list, None)
 
-    def start(runtime):
-        return runtime.chat(
-            messages, req["options"], tools=tools, shift=req["shift"], logprobs=req["logprobs"],
+    def start(run: generation.Prepared):
+        return run.runtime.chat(
+            run.chat_messages(messages), run.options, tools=tools, shift=req["shift"], logprobs=req["logprobs"],
             top_logprobs=req["top_logprobs"],
         )
 

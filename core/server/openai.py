@@ -20,6 +20,7 @@ import trio
 
 from corral.errors import InvalidModelNameError
 from corral.runner.stream import Chunk, TokenLogprob
+from corral.server import generation
 from corral.server.http import ApiError, field, read_json, sse_response
 from corral.server.state import state
 from corral.store import parse_name
@@ -114,26 +115,9 @@ def _finish_reason(final: Chunk) -> str:
     return "length" if final.done_reason == "length" else "stop"
 
 
-async def _chunks(req: Completion, start: Callable[[Any], contextlib.AbstractAsyncContextManager]) -> AsyncIterator[Chunk]:
-    """The runtime's chunks for `req`, loading the model first; the last one has `done`."""
-    async with state().scheduler.use(req.model, req.options) as loaded:
-        async with start(loaded.runtime) as stream:
-            async for chunk in stream:
-                yield chunk
-
-
 async def _started(req: Completion, start) -> AsyncIterator[Chunk]:
-    """`_chunks` run up to its first chunk now, so that errors before any output get a real status code."""
-    chunks = _chunks(req, start)
-    first = await chunks.__anext__()
-
-    async def rest() -> AsyncIterator[Chunk]:
-        async with contextlib.aclosing(chunks):
-            yield first
-            async for chunk in chunks:
-                yield chunk
-
-    return rest()
+    """The request's chunks, run up to the first one (errors before any output get a status code)."""
+    return await generation.started(generation.chunks(req.model, req.options, None, start))
 
 
 # --- /v1/chat/completions -------------------------------------------------------------------------
@@ -227,8 +211,10 @@ async def chat_completions():
     req = _request(body, _common(body, None), logprobs, top_logprobs)
     state().scheduler.resolve(model)  # unknown model: 404 before anything loads
 
-    def start(runtime):
-        return runtime.chat(messages, req.options, tools=tools, logprobs=req.logprobs, top_logprobs=req.top_logprobs)
+    def start(run: generation.Prepared):
+        return run.runtime.chat(
+            run.chat_messages(messages), run.options, tools=tools, logprobs=req.logprobs, top_logprobs=req.top_logprobs
+        )
 
     chunks = await _started(req, start)
     reply = {"id": f"chatcmpl-{secrets.token_hex(12)}", "created": int(time.time()), "model": req.model, "system_fingerprint": FINGERPRINT}
@@ -312,8 +298,8 @@ async def completions():
     req = _request(body, _common(body, COMPLETIONS_DEFAULT_MAX_TOKENS), top_logprobs is not None, top_logprobs or 0)
     state().scheduler.resolve(model)
 
-    def start(runtime):
-        return runtime.generate(prompt, req.options, raw=True, logprobs=req.logprobs, top_logprobs=req.top_logprobs)
+    def start(run: generation.Prepared):
+        return run.runtime.generate(prompt, run.options, raw=True, logprobs=req.logprobs, top_logprobs=req.top_logprobs)
 
     chunks = await _started(req, start)
     reply = {"id": f"cmpl-{secrets.token_hex(12)}", "object": "text_completion", "created": int(time.time()),
