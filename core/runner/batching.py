@@ -71,7 +71,12 @@ class Sequence:
 
 
 def plan_step(sequences: list[Sequence], budget: int) -> list[tuple[Sequence, int]]:
-    """Which sequences feed how many tokens this step: every decode first, then prompt chunks in order."""
+    """Which sequences feed how many tokens this step: every decode first, then prompt chunks in order.
+
+    A prompt is always cut into the same chunks (`budget` tokens each, the last shorter), whatever
+    else runs: a chunk that does not fit this step waits for the next. Every sequence thus sees the
+    same kernel calls alone or batched, which keeps its output bit-identical (batch invariance).
+    """
     plan, left = [], budget
     runnable = [s for s in sequences if not s.finished and s.pending and not s.paused()]
     for seq in runnable:
@@ -79,10 +84,13 @@ def plan_step(sequences: list[Sequence], budget: int) -> list[tuple[Sequence, in
             plan.append((seq, 1))
             left -= 1
     for seq in runnable:
-        if not seq.decoding and left > 0:
-            take = min(len(seq.pending), left)
-            plan.append((seq, take))
-            left -= take
+        if seq.decoding:
+            continue
+        chunk = min(len(seq.pending), budget)
+        if chunk > left:
+            break  # first come, first served: later prompts do not overtake this one
+        plan.append((seq, chunk))
+        left -= chunk
     return plan
 
 
