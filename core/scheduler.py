@@ -20,6 +20,7 @@ from typing import Any, AsyncIterator
 import attrs
 import trio
 
+from corral import memory
 from corral.errors import CorralError, ModelNotFoundError
 from corral.modelfile import is_go_template, model_defaults
 from corral.options import LOAD_TIME_OPTIONS
@@ -32,8 +33,14 @@ log = logging.getLogger(__name__)
 DEFAULT_KEEP_ALIVE = 300.0  # seconds
 DEFAULT_NUM_PARALLEL = 4
 DEFAULT_NUM_CTX = 4096
+DEFAULT_MAX_QUEUE = 512
+DEFAULT_MAX_LOADED_MODELS = 3
 _DURATION = re.compile(r"(-?\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")
 _UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+class ServerBusyError(CorralError):
+    """More requests are waiting than CORRAL_MAX_QUEUE allows."""
 
 
 class InvalidKeepAliveError(CorralError):
@@ -88,6 +95,7 @@ class Loaded:
     keep_alive: float = DEFAULT_KEEP_ALIVE
     expires_at: float | None = None  # wall-clock seconds; None while in use; inf for forever
     load_seconds: float = 0.0
+    size: int = 0  # predicted bytes: weights + KV cache + compute buffers
     unload: trio.Event = attrs.field(factory=trio.Event)
     stopped: trio.Event = attrs.field(factory=trio.Event)
     expiry: trio.CancelScope | None = None
@@ -116,8 +124,12 @@ class Scheduler:
         self.num_parallel = num_parallel or int(os.environ.get("CORRAL_NUM_PARALLEL", DEFAULT_NUM_PARALLEL))
         self.default_num_ctx = default_num_ctx
         self.default_keep_alive = keep_alive_from_env()
+        self.max_queue = int(os.environ.get("CORRAL_MAX_QUEUE", DEFAULT_MAX_QUEUE))
+        self.max_loaded = max(1, int(os.environ.get("CORRAL_MAX_LOADED_MODELS", DEFAULT_MAX_LOADED_MODELS)))
         self.loaded: dict[str, Loaded] = {}
         self._load_lock = trio.Lock()  # one load at a time
+        self._starting = 0  # requests waiting for their model to be found or loaded
+        self._idle = trio.Event()  # set whenever a model's last request ends
         self._nursery: trio.Nursery | None = None
 
     async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -139,11 +151,22 @@ class Scheduler:
     async def use(self, name: str, options: dict | None = None, keep_alive: Any = None) -> AsyncIterator[Loaded]:
         """The loaded model for a request, kept loaded while the block runs and `keep_alive` after."""
         keep = parse_keep_alive(keep_alive)
-        entry = await self._acquire(name, options or {})
+        if self.queued() >= self.max_queue:
+            raise ServerBusyError("server busy, please try again.  maximum pending requests exceeded")
+        self._starting += 1
+        try:
+            entry = await self._acquire(name, options or {})
+        finally:
+            self._starting -= 1
         try:
             yield entry
         finally:
             self._release(entry, self.default_keep_alive if keep is None else keep)
+
+    def queued(self) -> int:
+        """Requests that cannot start at once: waiting for a load, or for one of a model's sequence slots."""
+        beyond_slots = sum(max(0, entry.users - self.num_parallel) for entry in self.loaded.values())
+        return self._starting + beyond_slots
 
     async def unload(self, name: str) -> bool:
         """Unload a model now (requests using it finish first); False if it was not loaded."""
@@ -163,12 +186,38 @@ class Scheduler:
                 await self._stop(entry)  # a load-time option changed: reload
                 entry = None
             if entry is None:
+                num_ctx = wanted.get("num_ctx") or self.default_num_ctx
+                need = await trio.to_thread.run_sync(
+                    memory.estimate, path, num_ctx, self.num_parallel, wanted.get("num_batch") or 512
+                )
+                await self._make_room(need.total)
                 entry = await self._load(canonical, path, wanted)
+                entry.size = need.total
             entry.users += 1
             if entry.expiry is not None:
                 entry.expiry.cancel()
             entry.expires_at = None
         return entry
+
+    async def _make_room(self, need: int) -> None:
+        """Unload idle models (expiring soonest first) until the new one fits in count and in memory."""
+        while self.loaded:
+            available = memory.available_bytes()
+            too_many = len(self.loaded) >= self.max_loaded
+            too_big = available is not None and need > available
+            if not (too_many or too_big):
+                return
+            idle = [entry for entry in self.loaded.values() if entry.users == 0]
+            if idle:
+                victim = min(idle, key=lambda entry: entry.expires_at if entry.expires_at is not None else math.inf)
+                log.info("unloading %s to make room", victim.name)
+                await self._stop(victim)
+            elif too_many:
+                self._idle = trio.Event()
+                await self._idle.wait()  # every loaded model is busy: wait for one to go idle
+            else:
+                log.warning("the model needs ~%d MB but only ~%d MB are free; loading anyway", need >> 20, available >> 20)
+                return
 
     async def _load(self, name: str, path: Any, load_options: dict) -> Loaded:
         entry = Loaded(name, path, load_options)
@@ -211,8 +260,10 @@ class Scheduler:
     def _release(self, entry: Loaded, keep_alive: float) -> None:
         entry.users -= 1
         entry.keep_alive = keep_alive
-        if entry.users == 0 and entry.idle is not None:
-            entry.idle.set()
+        if entry.users == 0:
+            self._idle.set()
+            if entry.idle is not None:
+                entry.idle.set()
         if entry.users > 0 or entry.unload.is_set():
             return
         if keep_alive == 0:

@@ -39,7 +39,6 @@ def decode(id, position=20, **kw):
     [
         pytest.param([prefill(0, 10), decode(1), decode(2)], 512, [(1, 1), (2, 1), (0, 10)], id="decodes-before-prefill"),
         pytest.param([prefill(0, 10), prefill(1, 10)], 15, [(0, 10)], id="a-chunk-that-does-not-fit-waits"),
-        pytest.param([prefill(0, 40), prefill(1, 3)], 16, [(0, 16)], id="prompt-cut-in-budget-sized-chunks"),
         pytest.param([prefill(0, 4), prefill(1, 3)], 16, [(0, 4), (1, 3)], id="small-prompts-share-a-step"),
         pytest.param([prefill(0, 40), prefill(1, 3)], 16, [(0, 16)], id="long-prompt-takes-the-budget-in-order"),
         pytest.param([decode(0), decode(1), decode(2), prefill(3, 4)], 2, [(0, 1), (1, 1)], id="decodes-alone-exhaust-budget"),

@@ -19,7 +19,7 @@ from corral.errors import (
     UnsupportedTensorTypeError,
 )
 from corral.options import InvalidOptionError
-from corral.scheduler import InvalidKeepAliveError
+from corral.scheduler import InvalidKeepAliveError, ServerBusyError
 from corral.template import TemplateError
 
 log = logging.getLogger(__name__)
@@ -38,15 +38,9 @@ class ApiError(Exception):
         self.kind = kind
 
 
-class ServerBusyError(ApiError):
-    """Too many requests are waiting."""
-
-    def __init__(self) -> None:
-        super().__init__(503, "server busy, please try again.  maximum pending requests exceeded", "server_error")
-
-
 _STATUS_BY_ERROR: list[tuple[type[BaseException], int]] = [
     (ModelNotFoundError, 404),
+    (ServerBusyError, 503),
     (InvalidModelNameError, 400),
     (InvalidOptionError, 400),
     (InvalidKeepAliveError, 400),

@@ -110,7 +110,7 @@ async def ps():
         if manifest is None or loaded.runtime is None:
             continue
         entry = _model_entry(name, manifest)
-        size = loaded.runtime.memory_bytes() if hasattr(loaded.runtime, "memory_bytes") else manifest.size
+        size = loaded.size or manifest.size
         entry.update(
             size=size,
             size_vram=0,
