@@ -64,13 +64,12 @@ def running_server() -> Client | None:
 @main.command()
 def serve() -> None:
     """Serve the Ollama and OpenAI APIs (CORRAL_HOST, default 127.0.0.1:11434)."""
-    import logging
-
     import trio
 
+    from corral.logs import setup_logging
     from corral.server.serve import address_from_env, serve as run_server
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging()  # logfmt on stderr (CORRAL_LOG_FORMAT=json for JSON lines), DEBUG with CORRAL_DEBUG=1
     host, port = address_from_env()
     try:
         trio.run(run_server, host, port)
@@ -451,6 +450,7 @@ class LocalChat:
             temperature=options.get("temperature", self.DEFAULT_TEMPERATURE),
             seed=None if seed is None or seed < 0 else seed,
             num_ctx=num_ctx,
+            options={k: v for k, v in options.items() if k not in ("temperature", "seed", "num_predict", "num_ctx")},
         )
         elapsed = time.perf_counter_ns() - start
         self.metrics = {"total_duration": elapsed, "load_duration": self._load_ns, "prompt_eval_count": len(ids)}

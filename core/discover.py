@@ -110,7 +110,9 @@ def context_default(info: SystemInfo, environ: Mapping[str, str] | None = None) 
     return default_num_ctx(info)
 
 
-def effective_num_ctx(requested: int | None, trained: int, fits: int | None, env_default: int, *, model: str = "") -> int:
+def effective_num_ctx(
+    requested: int | None, trained: int, fits: int | None, env_default: int, *, model: str = ""
+) -> int:
     """The context a model runs with: the requested (request or Modelfile) value, else `env_default`,
     clamped to the model's trained context and to what fits in memory.
 

@@ -22,7 +22,9 @@ from corral.errors import CorralError, UnknownArchitectureError
 from corral.gguf import GGUFFile
 from corral.kvcache import CausalCache
 from corral.model import Batch
+from corral.options import parse_options
 from corral.registry import Plugins
+from corral.sample import SamplerChain, SequenceSampler
 from corral.template import ChatTemplate
 from corral.tokenizer import IncrementalDecoder, Tokenizer
 
@@ -74,7 +76,14 @@ class LoadedModel:
     """A model bound to a backend, with its tokenizer and chat template."""
 
     def __init__(
-        self, path: pathlib.Path, gguf: GGUFFile, model: Any, backend: Any, tokenizer: Tokenizer, load_seconds: float
+        self,
+        path: pathlib.Path,
+        gguf: GGUFFile,
+        model: Any,
+        backend: Any,
+        tokenizer: Tokenizer,
+        load_seconds: float,
+        plugins: Plugins | None = None,
     ):
         self.path = path
         self.gguf = gguf
@@ -82,6 +91,8 @@ class LoadedModel:
         self.backend = backend
         self.tokenizer = tokenizer
         self.template = ChatTemplate.from_metadata(gguf.metadata, gguf.architecture)
+        self.plugins = plugins or Plugins()
+        self._chain: SamplerChain | None = None
 
         self.info = ModelInfo(
             architecture=gguf.architecture,
@@ -110,12 +121,16 @@ class LoadedModel:
         """A KV cache with room for `num_cells` tokens."""
         return CausalCache(self.backend, self.model.cache_layers(), num_cells)
 
-    def forward(self, batch: Batch, cache: CausalCache) -> np.ndarray:
-        """One forward pass; float32 logits of the batch's output rows."""
+    def compute(self, batch: Batch, cache: CausalCache) -> Any:
+        """One forward pass; the backend's native logits of the batch's output rows."""
         ctx = self.backend.new_context(batch)
         view = cache.prepare(batch)
         (logits,) = ctx.compute(self.model.forward(ctx, batch, view))
-        return self.backend.to_numpy(logits)
+        return logits
+
+    def forward(self, batch: Batch, cache: CausalCache) -> np.ndarray:
+        """One forward pass; float32 logits of the batch's output rows."""
+        return self.backend.to_numpy(self.compute(batch, cache))
 
     def logits(self, ids: Sequence[int]) -> np.ndarray:
         """Logits [len(ids), vocab] from one forward over `ids` with no cache kept."""
@@ -156,22 +171,25 @@ class LoadedModel:
         temperature: float = 0.0,
         seed: int | None = None,
         num_ctx: int | None = None,
+        options: dict | None = None,
     ) -> Iterator[str]:
-        """Stream text pieces generated after the prompt token ids."""
+        """Stream text pieces generated after the prompt token ids, sampled by the plugin sampler chain."""
         num_ctx = min(num_ctx or DEFAULT_NUM_CTX, self.info.context_length)
         if len(ids) + max_tokens > num_ctx:
             raise ContextLengthError(
                 f"the prompt ({len(ids)} tokens) plus {max_tokens} new tokens exceed the context of {num_ctx}"
             )
+        chain = self.sampler_chain()
+        given = {**(options or {}), "temperature": temperature, "seed": -1 if seed is None else seed}
+        sampler = SequenceSampler(parse_options(given, chain.extra_options), ids, num_ctx)
         cache = self.new_cache(len(ids) + max_tokens)
-        rng = np.random.default_rng(seed)
         decoder = IncrementalDecoder(self.tokenizer)
         batch = Batch.single(ids)
         for _ in range(max_tokens):
-            logits = self.forward(batch, cache)[-1]
-            token = pick_token(logits, temperature, rng)
+            token = chain.sample(self.compute(batch, cache)[-1:], [sampler]).tokens[0]
             if token in self.tokenizer.eog_ids:
                 break
+            sampler.accept(token)
             piece = decoder.feed(token)
             if piece:
                 yield piece
@@ -180,18 +198,11 @@ class LoadedModel:
         if rest:
             yield rest
 
-
-def pick_token(logits: np.ndarray, temperature: float, rng: np.random.Generator) -> int:
-    """Greedy at temperature 0, else a draw from softmax(logits / temperature).
-
-    The full sampler chain (top-k/top-p/min-p, penalties) is the runtime's; this keeps the
-    in-process API dependency-free for tests and the benchmark.
-    """
-    if temperature <= 0:
-        return int(np.argmax(logits))
-    z = logits.astype(np.float64) / temperature
-    p = np.exp(z - z.max())
-    return int(rng.choice(len(p), p=p / p.sum()))
+    def sampler_chain(self) -> SamplerChain:
+        """The sampler chain of this model's plugins (built once)."""
+        if self._chain is None:
+            self._chain = SamplerChain(self.plugins)
+        return self._chain
 
 
 def load_model(
@@ -223,4 +234,4 @@ def load_model(
         tokenizer = pool.submit(Tokenizer.from_gguf, gguf.metadata)
         model = architectures[arch].from_gguf(gguf, tensor_backend)
         tokenizer = tokenizer.result()
-    return LoadedModel(path, gguf, model, tensor_backend, tokenizer, time.perf_counter() - start)
+    return LoadedModel(path, gguf, model, tensor_backend, tokenizer, time.perf_counter() - start, plugins)

@@ -14,7 +14,8 @@ A step is a class registered through the `register_samplers` hook:
             return logits.scatter(1, params.tensor("ban_token")[:, None], float("-inf"))
 
 `apply` only ever sees the rows for which `active` is true, and is skipped when no row needs it; it
-may modify `logits` in place. The built-in steps (plugins/samplers/standard.py) run in this order:
+may modify `logits` in place. A step that depends on a sequence's state rather than its options defines
+`active_for(sampler)` instead (the grammar step: does the row's `SequenceSampler` carry a matcher?). The built-in steps (plugins/samplers/standard.py) run in this order:
 
     10 penalties   20 top_k   30 temperature   35 typical_p   40 top_p   50 min_p   -> softmax, draw
 
@@ -30,13 +31,16 @@ from __future__ import annotations
 
 import collections
 import os
-from typing import Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 import attrs
 import numpy as np
 import torch
 
 from corral.options import STANDARD_OPTIONS, InvalidOptionError, Options
+
+if TYPE_CHECKING:
+    from corral.grammar import GrammarMatcher
 
 MAX_TOP_LOGPROBS = 20
 
@@ -46,8 +50,11 @@ _DTYPES = {int: torch.int64, float: torch.float32, bool: torch.bool}
 class SequenceSampler:
     """The sampling state of one sequence: its options, random generator and recent tokens."""
 
-    def __init__(self, options: Options, prompt: Iterable[int] = (), num_ctx: int | None = None):
+    def __init__(
+        self, options: Options, prompt: Iterable[int] = (), num_ctx: int | None = None, grammar: GrammarMatcher | None = None
+    ):
         self.options = options
+        self.grammar = grammar  # the request's format, followed from the first generated token
         self.generator = torch.Generator()
         seed = options.seed if options.seed >= 0 else int.from_bytes(os.urandom(8), "little")
         self.generator.manual_seed(seed % 2**64)
@@ -56,8 +63,15 @@ class SequenceSampler:
         self.history: collections.deque[int] = collections.deque(prompt, maxlen=window)
 
     def accept(self, token: int) -> None:
-        """Record a token (prompt or generated) in the penalty window."""
+        """Record a generated token in the penalty window and advance the grammar past it."""
         self.history.append(token)
+        if self.grammar is not None:
+            self.grammar.accept(token)
+
+    @property
+    def complete(self) -> bool:
+        """Its grammar admits no further token: the output is one whole value and the sequence should end."""
+        return self.grammar is not None and self.grammar.complete
 
     def uniform(self) -> float:
         """One draw from U[0, 1) of this sequence's own generator."""
@@ -150,7 +164,7 @@ class SamplerChain:
         out = logits.to(torch.float32, copy=True)
         params = BatchParams(seqs, out.device, self.fields)
         for _name, step in self.steps:
-            rows = [row for row, seq in enumerate(seqs) if step.active(seq.options)]
+            rows = [row for row, seq in enumerate(seqs) if _active(step, seq)]
             if len(rows) == len(seqs):
                 out = step.apply(out, params)
             elif rows:
@@ -207,6 +221,11 @@ def inverse_cdf(logits: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     positions = torch.arange(weights.shape[1], device=logits.device)
     last = torch.where(weights > 0, positions, 0).max(dim=-1, keepdim=True).values
     return ids.gather(1, torch.minimum(picked, last))[:, 0]
+
+
+def _active(step: Any, seq: SequenceSampler) -> bool:
+    active_for = getattr(step, "active_for", None)
+    return active_for(seq) if active_for is not None else step.active(seq.options)
 
 
 def _index(rows: list[int], like: torch.Tensor) -> torch.Tensor:

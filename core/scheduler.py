@@ -21,6 +21,7 @@ import attrs
 import trio
 
 from corral import memory
+from corral.discover import context_default, effective_num_ctx, system_info
 from corral.errors import CorralError, ModelNotFoundError
 from corral.modelfile import is_go_template, model_defaults
 from corral.options import LOAD_TIME_OPTIONS
@@ -117,12 +118,13 @@ class Scheduler:
         store: Store | None = None,
         plugins: Plugins | None = None,
         num_parallel: int | None = None,
-        default_num_ctx: int = DEFAULT_NUM_CTX,
+        default_num_ctx: int | None = None,
     ):
         self.store = store or default_store()
         self.plugins = plugins or Plugins()
         self.num_parallel = num_parallel or int(os.environ.get("CORRAL_NUM_PARALLEL", DEFAULT_NUM_PARALLEL))
-        self.default_num_ctx = default_num_ctx
+        # None: CORRAL_CONTEXT_LENGTH / OLLAMA_CONTEXT_LENGTH, else by GPU memory (discovered once per process).
+        self.default_num_ctx = default_num_ctx or context_default(system_info())
         self.default_keep_alive = keep_alive_from_env()
         self.max_queue = int(os.environ.get("CORRAL_MAX_QUEUE", DEFAULT_MAX_QUEUE))
         self.max_loaded = max(1, int(os.environ.get("CORRAL_MAX_LOADED_MODELS", DEFAULT_MAX_LOADED_MODELS)))
@@ -241,6 +243,11 @@ class Scheduler:
                 plugins=self.plugins,
                 template=template,
             ) as runtime:
+                # The Runtime clamps to the trained context, known only now; this says so when a request asked for more.
+                effective_num_ctx(
+                    entry.load_options.get("num_ctx"), runtime.model.info.context_length, None, self.default_num_ctx,
+                    model=entry.name,
+                )
                 entry.runtime = runtime
                 task_status.started()
                 await entry.unload.wait()

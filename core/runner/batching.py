@@ -197,7 +197,9 @@ class BatchingActor:
             seq.generated += 1
             if not self._send(seq, Sampled(token, result.logprobs[row], tuple(result.top_logprobs[row]))):
                 continue
-            if 0 <= seq.num_predict <= seq.generated:
+            if seq.sampler.complete:
+                self._finish(seq, "stop")  # its format's grammar is complete: nothing may follow
+            elif 0 <= seq.num_predict <= seq.generated:
                 self._finish(seq, "length")
             else:
                 seq.pending = [token]

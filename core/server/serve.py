@@ -9,6 +9,8 @@ import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve as hypercorn_serve
 
+from corral.discover import describe, system_info
+from corral.logs import log_environment
 from corral.scheduler import Scheduler
 from corral.server.app import create_app
 from corral.store import Store, default_store
@@ -40,6 +42,8 @@ async def serve(
 ) -> None:
     """Serve until cancelled; `task_status.started()` reports the bound address ("host:port")."""
     store = store or default_store()
+    log.info("%s", describe(await trio.to_thread.run_sync(system_info)))
+    log_environment(log)
     async with trio.open_nursery() as nursery:
         scheduler = await nursery.start((scheduler or Scheduler(store)).run)
         config = Config()

@@ -1,0 +1,38 @@
+"""The grammar step: a row whose request has a `format` may only draw the tokens its grammar allows next.
+
+Ordered first, before penalties, so every later step and a greedy row's argmax see only allowed tokens.
+Active for the rows whose sampler carries a grammar matcher, greedy ones included (see corral.grammar).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from corral.grammar import mask_logits
+from corral.hookspecs import hookimpl
+from corral.options import Options
+from corral.sample import BatchParams, SequenceSampler
+
+
+@hookimpl
+def register_samplers(register):
+    register(Grammar.name, Grammar)
+
+
+class Grammar:
+    """Mask the tokens the row's grammar does not allow to -inf."""
+
+    name = "grammar"
+    order = 0
+    options: dict = {}
+
+    @classmethod
+    def active(cls, options: Options) -> bool:
+        return False  # the format is not an option: `active_for` looks at the sequence
+
+    @classmethod
+    def active_for(cls, sampler: SequenceSampler) -> bool:
+        return sampler.grammar is not None
+
+    def apply(self, logits: torch.Tensor, params: BatchParams) -> torch.Tensor:
+        return mask_logits(logits, [seq.grammar for seq in params.seqs])
