@@ -35,6 +35,7 @@ def estimate(path: str | os.PathLike, num_ctx: int, num_parallel: int, num_batch
     """Bytes the model at `path` will need with this context, parallelism and batch size."""
     gguf = GGUFFile.open(path)
     arch = gguf.architecture
+    num_ctx = min(num_ctx, int(_meta(gguf, arch, "context_length", num_ctx)))  # the runtime clamps it too
     return MemoryEstimate(
         weights=_weights(gguf),
         kv_cache=_kv_cache(gguf, arch, num_ctx, num_parallel, num_batch),

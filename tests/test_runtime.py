@@ -123,42 +123,53 @@ async def test_seeded_sampling_is_the_same_alone_and_batched(name, model_path):
 # -- cancellation ----------------------------------------------------------------------------------
 
 
+def prefilling(rt: Runtime, prompt: list[int]) -> bool:
+    """Whether the runtime is part way through computing this prompt."""
+    return any(seq.prompt == prompt and seq.cached and not seq.generated for seq in rt.batcher.sequences)
+
+
 async def test_cancelled_requests_leave_no_sequence_cell_slot_or_task_behind(smollm2_path):
     num_parallel, requests = 4, 200
-    long_prompt = ", ".join(str(i) for i in range(1, 60)) + ","  # several prompt chunks of NUM_BATCH
     options = {"temperature": 0, "num_predict": 1000}  # counting never ends on its own before the cancel
-    async with Runtime.open(smollm2_path, num_parallel=1, num_ctx=512) as rt:
+    async with Runtime.open(smollm2_path, num_parallel=1, num_ctx=256) as rt:
         expected, _ = await complete(rt, STORY, {"temperature": 0, "num_predict": 16}, raw=True)
 
     rng = random.Random(7)
-    plans = [(rng.uniform(0, 3), rng.choice("wait read break".split()), rng.uniform(0, 0.3), rng.randint(1, 8)) for _ in range(requests)]
-    first_chunk = [False] * requests
-    async with Runtime.open(smollm2_path, num_parallel=num_parallel, num_ctx=512, num_batch=NUM_BATCH) as rt:
+    # wait: cancelled within 50 ms, mostly while waiting for a slot; prefill: once part of its prompt
+    # is computed; decode: after k chunks; anytime: within 0.5 s, wherever that falls
+    plans = [(rng.uniform(0, 2), rng.choice(["wait", "prefill", "decode", "anytime"]), rng.random(), rng.randint(1, 3)) for _ in range(requests)]
+    stage_reached = [False] * requests
+    async with Runtime.open(smollm2_path, num_parallel=num_parallel, num_ctx=256, num_batch=16) as rt:
 
         async def request(i):
-            delay, how, timeout, chunks = plans[i]
+            delay, how, fraction, k = plans[i]
             await trio.sleep(delay)
-            prompt = long_prompt if i % 2 else COUNTING
-            # "wait": the whole request (slot wait included) runs under a timeout
-            with trio.move_on_after(timeout if how == "wait" else 60):
+            if how == "prefill":
+                prompt = f"{i}: " + ", ".join(str(n) for n in range(1, 20)) + ","  # three chunks of 16 tokens
+                ids = rt.model.tokenize(prompt)
+            else:
+                prompt = f"{i}: {COUNTING}"
+            with trio.move_on_after({"wait": 0.05 * fraction, "anytime": 0.5 * fraction}.get(how, 30)):
                 async with rt.generate(prompt, options, raw=True) as stream:
-                    with trio.move_on_after(timeout if how == "read" else 60):
-                        async for chunk in stream:
-                            assert not chunk.done
-                            first_chunk[i] = True
-                            chunks -= 1
-                            if how == "break" and chunks == 0:
-                                break
+                    if how == "prefill":
+                        while not prefilling(rt, ids):
+                            await trio.sleep(0.001)
+                        stage_reached[i] = True
+                        return
+                    async for chunk in stream:
+                        assert not chunk.done
+                        k -= 1
+                        if how == "decode" and k == 0:
+                            stage_reached[i] = True
+                            break
 
         async with trio.open_nursery() as nursery:
             for i in range(requests):
                 nursery.start_soon(request, i)
 
-        # The mix covered every stage: waiting for a slot, holding one before any token, decoding.
-        with_slot, decoding = rt.stats.requests, sum(first_chunk)
-        assert requests - with_slot > 10
-        assert with_slot - decoding > 10
-        assert decoding > 10
+        assert requests - rt.stats.requests > 10, "some requests should be cancelled before they got a slot"
+        assert sum(stage_reached[i] for i, plan in enumerate(plans) if plan[1] == "prefill") > 10
+        assert sum(stage_reached[i] for i, plan in enumerate(plans) if plan[1] == "decode") > 10
 
         with trio.fail_after(5):  # a cancelled sequence task ends at its next checkpoint
             while len(rt._nursery.child_tasks) > 1:

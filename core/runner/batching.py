@@ -34,7 +34,7 @@ class Sampled:
 
 @attrs.frozen
 class Finished:
-    """The sequence ended: "stop" (end of generation) or "length" (num_predict, or num_ctx without shift)."""
+    """The sequence ended: "stop" (end of generation, or its format complete) or "length" (num_predict, or num_ctx without shift)."""
 
     reason: str
 

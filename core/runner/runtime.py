@@ -19,6 +19,7 @@ import attrs
 import trio
 
 from corral.engine import LoadedModel, load_model
+from corral.grammar import Grammar, GrammarMatcher, compile_format
 from corral.kvcache import CausalCache
 from corral.options import InvalidOptionError, Options, parse_options
 from corral.registry import Plugins
@@ -136,9 +137,14 @@ class Runtime:
         shift: bool = True,
         logprobs: bool = False,
         top_logprobs: int = 0,
+        format: str | dict | None = None,
     ) -> contextlib.AbstractAsyncContextManager[Stream]:
-        """Stream the completion of `prompt` (wrapped in the chat template as a user turn unless `raw`)."""
+        """Stream the completion of `prompt` (wrapped in the chat template as a user turn unless `raw`).
+
+        `format` ("json" or a JSON-schema object) constrains the output to one such JSON value.
+        """
         opts = self.parse_options(options)
+        grammar = compile_format(format)
 
         def prompt_ids() -> list[int]:
             if raw:
@@ -148,7 +154,7 @@ class Runtime:
                 ids = self.model.chat_ids(turns)
             return list(context or []) + ids
 
-        return self._stream(prompt_ids, opts, shift, logprobs, top_logprobs)
+        return self._stream(prompt_ids, opts, shift, logprobs, top_logprobs, grammar)
 
     def chat(
         self,
@@ -159,11 +165,16 @@ class Runtime:
         shift: bool = True,
         logprobs: bool = False,
         top_logprobs: int = 0,
+        format: str | dict | None = None,
     ) -> contextlib.AbstractAsyncContextManager[Stream]:
-        """Stream the assistant's reply to `messages`; the oldest turns are dropped if they do not fit."""
+        """Stream the assistant's reply to `messages`; the oldest turns are dropped if they do not fit.
+
+        `format` ("json" or a JSON-schema object) constrains the reply to one such JSON value.
+        """
         opts = self.parse_options(options)
+        grammar = compile_format(format)
         num_ctx = self._num_ctx(opts)
-        return self._stream(lambda: self._fit_messages(messages, num_ctx), opts, shift, logprobs, top_logprobs)
+        return self._stream(lambda: self._fit_messages(messages, num_ctx), opts, shift, logprobs, top_logprobs, grammar)
 
     async def tokenize(self, text: str, add_special: bool = True) -> list[int]:
         """Token ids of `text`."""
@@ -195,7 +206,13 @@ class Runtime:
 
     @contextlib.asynccontextmanager
     async def _stream(
-        self, prompt_ids: Callable[[], list[int]], opts: Options, shift: bool, logprobs: bool, top_logprobs: int
+        self,
+        prompt_ids: Callable[[], list[int]],
+        opts: Options,
+        shift: bool,
+        logprobs: bool,
+        top_logprobs: int,
+        grammar: Grammar | None = None,
     ) -> AsyncIterator[Stream]:
         if isinstance(top_logprobs, bool) or not isinstance(top_logprobs, int) or not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
             # raised inside the batching actor's step, it would end the runtime
@@ -203,7 +220,7 @@ class Runtime:
         send, receive = trio.open_memory_channel(0)
         state: dict[str, Any] = {}
         scope = trio.CancelScope()
-        self._nursery.start_soon(self._run_sequence, scope, prompt_ids, opts, shift, logprobs, top_logprobs, send, state)
+        self._nursery.start_soon(self._run_sequence, scope, prompt_ids, opts, shift, logprobs, top_logprobs, grammar, send, state)
         try:
             async with receive:
                 yield Stream(receive, state)
@@ -219,21 +236,24 @@ class Runtime:
         shift: bool,
         logprobs: bool,
         top_logprobs: int,
+        grammar: Grammar | None,
         out: trio.MemorySendChannel,
         state: dict,
     ) -> None:
         with scope:
             async with out:
                 try:
-                    await self._sequence(prompt_ids, opts, shift, logprobs, top_logprobs, out, state)
+                    await self._sequence(prompt_ids, opts, shift, logprobs, top_logprobs, grammar, out, state)
                 except Exception as exc:  # reported to this request's reader, never to the runtime
                     state["error"] = exc
                 finally:
                     self._release(state, finished=state.get("finished", False))
 
-    async def _sequence(self, prompt_ids, opts: Options, shift, logprobs, top_logprobs, out, state) -> None:
+    async def _sequence(self, prompt_ids, opts: Options, shift, logprobs, top_logprobs, grammar, out, state) -> None:
         num_ctx = self._num_ctx(opts)
         ids = await trio.to_thread.run_sync(prompt_ids)
+        # The model's first constrained request builds its llguidance tokenizer: off the event loop.
+        matcher = await trio.to_thread.run_sync(GrammarMatcher.start, self.model.tokenizer, grammar) if grammar else None
         if not ids:
             raise ValueError("the prompt is empty")
         vocab = self.model.tokenizer.vocab_size
@@ -253,7 +273,7 @@ class Runtime:
             pending=ids[reused:],
             position=reused,
             cached=ids[:reused],
-            sampler=SequenceSampler(opts, ids, num_ctx),
+            sampler=SequenceSampler(opts, ids, num_ctx, grammar=matcher),
             events=events_send,
             num_predict=num_predict,
             num_ctx=num_ctx,

@@ -49,6 +49,7 @@ async def serve(
         config = Config()
         config.bind = [f"{host}:{port}"]
         config.accesslog = None
+        config.errorlog = logging.getLogger("hypercorn.error")  # through corral's structured handler
         config.graceful_timeout = 1.0
         app = create_app(scheduler, store, nursery)
         binds = await nursery.start(hypercorn_serve, app, config)
