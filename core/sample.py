@@ -15,13 +15,17 @@ A step is a class registered through the `register_samplers` hook:
 
 `apply` only ever sees the rows for which `active` is true, and is skipped when no row needs it; it
 may modify `logits` in place. A step that depends on a sequence's state rather than its options defines
-`active_for(sampler)` instead (the grammar step: does the row's `SequenceSampler` carry a matcher?). The built-in steps (plugins/samplers/standard.py) run in this order:
+`active_for(sampler)` instead (the grammar step: does the row's `SequenceSampler` carry a matcher?).
+The built-in steps (plugins/samplers/standard.py) run in this order:
 
     10 penalties   20 top_k   30 temperature   35 typical_p   40 top_p   50 min_p   -> softmax, draw
 
+and the grammar step (plugins/samplers/grammar.py, order 0) masks a constrained row before all of them.
+
 Top-k, temperature, top-p and min-p follow Ollama's order, so the probability filters see the
 distribution that is actually drawn from. Every step except penalties is inactive at temperature 0,
-so a greedy row takes the argmax of the logits after penalties (and any third-party step active for it).
+so a greedy row takes the argmax of the logits after penalties (and the grammar step, or any
+third-party step, active for it).
 
 Each sequence draws with its own `torch.Generator`, one uniform number per token, and inverts the
 CDF of its own row: a seeded sequence gives the same tokens whatever else is in the batch.

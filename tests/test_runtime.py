@@ -135,21 +135,20 @@ async def test_cancelled_requests_leave_no_sequence_cell_slot_or_task_behind(smo
         expected, _ = await complete(rt, STORY, {"temperature": 0, "num_predict": 16}, raw=True)
 
     rng = random.Random(7)
-    # wait: cancelled within 50 ms, mostly while waiting for a slot; prefill: once part of its prompt
-    # is computed; decode: after k chunks; anytime: within 0.5 s, wherever that falls
-    plans = [(rng.uniform(0, 2), rng.choice(["wait", "prefill", "decode", "anytime"]), rng.random(), rng.randint(1, 3)) for _ in range(requests)]
+    # wait: cancelled within 50 ms, mostly while waiting for a slot; anytime: within 0.5 s, wherever
+    # that falls; prefill: once the first chunk of its prompt is computed; decode: after k chunks
+    modes = ["wait"] * 10 + ["anytime"] * 4 + ["prefill"] * 3 + ["decode"] * 3
+    plans = [(rng.uniform(0, 2), rng.choice(modes), rng.random(), rng.randint(1, 2)) for _ in range(requests)]
     stage_reached = [False] * requests
     async with Runtime.open(smollm2_path, num_parallel=num_parallel, num_ctx=256, num_batch=16) as rt:
 
         async def request(i):
             delay, how, fraction, k = plans[i]
             await trio.sleep(delay)
-            if how == "prefill":
-                prompt = f"{i}: " + ", ".join(str(n) for n in range(1, 20)) + ","  # three chunks of 16 tokens
-                ids = rt.model.tokenize(prompt)
-            else:
-                prompt = f"{i}: {COUNTING}"
-            with trio.move_on_after({"wait": 0.05 * fraction, "anytime": 0.5 * fraction}.get(how, 30)):
+            # a prefill takes two chunks of 16 tokens; the other prompts fit in one
+            prompt = f"{i}: " + ", ".join(str(n) for n in range(1, 10 if how == "prefill" else 5)) + ","
+            ids = rt.model.tokenize(prompt)
+            with trio.move_on_after({"wait": 0.05 * fraction, "anytime": 0.5 * fraction}.get(how, 60)):
                 async with rt.generate(prompt, options, raw=True) as stream:
                     if how == "prefill":
                         while not prefilling(rt, ids):
@@ -420,16 +419,27 @@ async def test_prefix_reuse_gives_the_output_of_a_fresh_computation(name, model_
 async def test_continuing_past_the_sliding_window_reuses_the_context(gemma3_path):
     """gemma3's sliding-window layers forgot the oldest cells, yet the window before the new tokens is intact."""
     options = {"temperature": 0, "num_predict": 6}
-    long_prompt = " ".join(SHARED for _ in range(16))
+    long_prompt = " ".join(SHARED for _ in range(17))
     async with Runtime.open(gemma3_path, num_parallel=1, num_ctx=1024) as rt:
         _, first = await complete(rt, long_prompt, options, raw=True)
         window = rt.model.model.config.sliding_window
         assert len(first.context) > window + 20
+        assert not rt.cache.has_window_cells(0, 1), "the window layers should have forgotten the start"
         text, final = await complete(rt, " In conclusion,", options, raw=True, context=list(first.context))
     assert final.prompt_cached_count == len(first.context) - 1
     async with Runtime.open(gemma3_path, num_parallel=1, num_ctx=1024) as fresh:
         fresh_text, _ = await complete(fresh, " In conclusion,", options, raw=True, context=list(first.context))
     assert text == fresh_text
+
+
+async def test_a_prefix_the_sliding_window_forgot_is_computed_again(gemma3_path):
+    long_prompt = " ".join(SHARED for _ in range(17))
+    async with Runtime.open(gemma3_path, num_parallel=1, num_ctx=1024) as rt:
+        _, first = await complete(rt, long_prompt, {"temperature": 0, "num_predict": 1}, raw=True)
+        head = list(first.context[:300])  # its window-layer keys are gone; only the global layers kept them
+        _, final = await complete(rt, " Finally,", {"temperature": 0, "num_predict": 1}, raw=True, context=head)
+    assert final.prompt_cached_count == 0
+    assert rt.stats.cache_hits == 0
 
 
 async def test_reader_leaving_at_the_final_chunk_keeps_the_prefix_for_reuse(smollm2_path):

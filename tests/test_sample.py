@@ -51,7 +51,8 @@ def test_standard_steps_run_in_the_documented_order(chain):
 
 def test_standard_samplers_are_registered_through_the_entry_point(monkeypatch):
     monkeypatch.delenv(ALLOW_ENV, raising=False)
-    assert [name for name, _ in SamplerChain(Plugins()).steps][: len(STANDARD_ORDER)] == STANDARD_ORDER
+    names = [name for name, _ in SamplerChain(Plugins()).steps]
+    assert [name for name in names if name in STANDARD_ORDER] == STANDARD_ORDER
 
 
 @pytest.mark.parametrize(

@@ -216,7 +216,7 @@ async def test_unknown_model_is_404(server):
         ({"model": "smollm2", "messages": FRANCE, "stop": [1]}, "stop must be"),
         ({"model": "smollm2", "messages": []}, "at least one message"),
         ({"model": "smollm2", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "not supported yet"),
-        ({"model": "smollm2", "messages": FRANCE, "response_format": {"type": "json_object"}}, "not supported yet"),
+        ({"model": "smollm2", "messages": FRANCE, "response_format": {"type": "xml"}}, "response_format.type must be"),
     ],
 )
 async def test_invalid_chat_requests_are_400(server, body, says):

@@ -7,6 +7,7 @@ from typing import Any, AsyncIterator
 
 import quart
 
+from corral.grammar import compile_format
 from corral.runner.stream import Chunk
 from corral.scheduler import parse_keep_alive
 from corral.server import generation
@@ -30,7 +31,15 @@ def _request_common(body: dict) -> dict[str, Any]:
         "logprobs": field(body, "logprobs", bool, False),
         "top_logprobs": field(body, "top_logprobs", int, 0),
         "shift": field(body, "shift", bool, True),
+        "format": _format(body),
     }
+
+
+def _format(body: dict) -> str | dict | None:
+    """The request's `format`: "json" or a JSON-schema object (400 now, before the model loads, if unusable)."""
+    value = body.get("format")
+    compile_format(value)
+    return value
 
 
 def _metrics(final: Chunk, load_ns: int, started_ns: int) -> dict[str, Any]:
@@ -120,7 +129,7 @@ async def generate():
     def start(run: generation.Prepared):
         return run.runtime.generate(
             prompt, run.options, raw=raw, system=system or (None if raw else run.defaults.system), context=context,
-            shift=req["shift"], logprobs=req["logprobs"], top_logprobs=req["top_logprobs"],
+            shift=req["shift"], logprobs=req["logprobs"], top_logprobs=req["top_logprobs"], format=req["format"],
         )
 
     def chunk_obj(chunk: Chunk) -> dict:
@@ -153,7 +162,7 @@ async def chat():
     def start(run: generation.Prepared):
         return run.runtime.chat(
             run.chat_messages(messages), run.options, tools=tools, shift=req["shift"], logprobs=req["logprobs"],
-            top_logprobs=req["top_logprobs"],
+            top_logprobs=req["top_logprobs"], format=req["format"],
         )
 
     def chunk_obj(chunk: Chunk) -> dict:

@@ -19,6 +19,7 @@ import quart
 import trio
 
 from corral.errors import InvalidModelNameError
+from corral.grammar import compile_format
 from corral.runner.stream import Chunk, TokenLogprob
 from corral.server import generation
 from corral.server.http import ApiError, field, read_json, sse_response
@@ -168,17 +169,21 @@ def _message(message: Any) -> dict:
     return out
 
 
-def _check_response_format(body: dict) -> None:
+def _response_format(body: dict) -> str | dict | None:
+    """`response_format` as a runtime format: None (text), "json" (json_object) or the json_schema's schema."""
     response_format = field(body, "response_format", dict)
     if response_format is None:
-        return
+        return None
     kind = response_format.get("type")
     if kind == "text":
-        return
-    if kind in ("json_object", "json_schema"):
-        # Constrained decoding does not exist yet; answering with unconstrained text would break
-        # callers that parse the reply, so say so instead.
-        raise ApiError(400, f"response_format {kind!r} is not supported yet; omit response_format or use type 'text'")
+        return None
+    if kind == "json_object":
+        return "json"
+    if kind == "json_schema":
+        spec = field(response_format, "json_schema", dict, required=True)
+        schema = field(spec, "schema", dict, {"type": "object"})
+        compile_format(schema)  # an unusable schema is a 400 before the model loads
+        return schema
     raise ApiError(400, "response_format.type must be 'text', 'json_object' or 'json_schema'")
 
 
@@ -202,7 +207,7 @@ async def chat_completions():
     if not messages:
         raise ApiError(400, "messages must hold at least one message")
     messages = [_message(message) for message in messages]
-    _check_response_format(body)
+    response_format = _response_format(body)
     tools = field(body, "tools", list)
     logprobs = field(body, "logprobs", bool, False)
     top_logprobs = _integer(body, "top_logprobs", 0, MAX_TOP_LOGPROBS, 0)
@@ -213,7 +218,8 @@ async def chat_completions():
 
     def start(run: generation.Prepared):
         return run.runtime.chat(
-            run.chat_messages(messages), run.options, tools=tools, logprobs=req.logprobs, top_logprobs=req.top_logprobs
+            run.chat_messages(messages), run.options, tools=tools, logprobs=req.logprobs, top_logprobs=req.top_logprobs,
+            format=response_format,
         )
 
     chunks = await _started(req, start)

@@ -16,10 +16,10 @@ from corral.sample import BatchParams, SequenceSampler
 
 @hookimpl
 def register_samplers(register):
-    register(Grammar.name, Grammar)
+    register(GrammarMask.name, GrammarMask)
 
 
-class Grammar:
+class GrammarMask:
     """Mask the tokens the row's grammar does not allow to -inf."""
 
     name = "grammar"

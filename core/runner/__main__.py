@@ -1,0 +1,248 @@
+"""`python -m corral.runner --model PATH ...`: one model's Runtime, served to the parent that started it.
+
+The wire format and the parent side are in `corral.runner.process`. Once the model is loaded this
+prints one JSON line on the original stdout, `{"port", "pid", "token", "info", "vocab_size",
+"status"}`, or `{"error": {...}}` when loading failed (then it exits 1). Everything else, stray prints
+included, goes to stderr, which the parent forwards to its log. It exits on SIGTERM or SIGINT, and
+when its stdin closes: the parent has gone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import hmac
+import json
+import logging
+import os
+import secrets
+import signal
+import sys
+import threading
+from typing import IO, Any
+
+import attrs
+import trio
+
+from corral.errors import CorralError
+from corral.runner.process import JsonLines, chunk_to_json, error_to_json
+from corral.runner.runtime import Runtime
+
+log = logging.getLogger("corral.runner.child")
+
+EXIT_GRACE = 10.0  # seconds from the parent leaving or a SIGTERM to a forced exit
+
+
+class RunnerServer:
+    """Answers the parent's calls on loopback TCP, one connection per call."""
+
+    def __init__(self, runtime: Runtime, token: str):
+        self.runtime = runtime
+        self.token = token
+
+    async def handle(self, stream: trio.SocketStream) -> None:
+        """One call; a broken connection means the parent went away and ends it quietly."""
+        lines = JsonLines(stream)
+        try:
+            async with stream:
+                request = await lines.receive()
+                if not isinstance(request, dict) or not hmac.compare_digest(str(request.get("token")), self.token):
+                    return
+                op, args = request.get("op"), request.get("args") or {}
+                if op in ("generate", "chat"):
+                    await self._stream(op, args, lines)
+                else:
+                    await self._answer(op, args, lines)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        except Exception:  # a bad request must not end the runner
+            log.exception("runner call failed")
+
+    async def _answer(self, op: Any, args: dict, lines: JsonLines) -> None:
+        try:
+            if op == "tokenize":
+                result = await self.runtime.tokenize(args["text"], add_special=args.get("add_special", True))
+            elif op == "detokenize":
+                result = await self.runtime.detokenize(args["ids"])
+            elif op == "status":
+                result = runtime_status(self.runtime)
+            else:
+                raise ValueError(f"unknown runner call {op!r}")
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            raise
+        except Exception as exc:  # reported to the caller
+            await lines.send({"error": error_to_json(exc)})
+        else:
+            await lines.send({"result": result})
+
+    async def _stream(self, op: str, args: dict, lines: JsonLines) -> None:
+        start = self.runtime.generate if op == "generate" else self.runtime.chat
+        with trio.CancelScope() as scope:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_cancel_on_close, lines.stream, scope)
+                try:
+                    async with start(**args) as stream:
+                        await lines.send({"started": True})
+                        async for chunk in stream:
+                            await lines.send({"chunk": chunk_to_json(chunk)})
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    pass  # the parent left: the sequence has ended with the block
+                except Exception as exc:  # before "started" it fails the request's start, after it the stream
+                    with _quietly():
+                        await lines.send({"error": error_to_json(exc)})
+                nursery.cancel_scope.cancel()
+
+
+async def _cancel_on_close(stream: trio.SocketStream, scope: trio.CancelScope) -> None:
+    # The parent closes its end to cancel a generation; nothing else arrives after the request.
+    with _quietly():
+        while await stream.receive_some(1 << 12):
+            pass
+    scope.cancel()
+
+
+def _quietly() -> contextlib.AbstractContextManager:
+    return contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError)
+
+
+def runtime_status(runtime: Runtime) -> dict:
+    """The gauges and counters the server's /metrics and /api/ps read."""
+    return {
+        "num_ctx": runtime.num_ctx,
+        "num_parallel": runtime.num_parallel,
+        "num_batch": runtime.num_batch,
+        "live_sequences": runtime.live_sequences(),
+        "waiting": runtime.slots.waiting,
+        "free_slots": runtime.slots.free,
+        "cache_used_cells": runtime.cache.used_cells(),
+        "cache_cells": [pool.num_cells for pool in runtime.cache.pools],
+        "memory_bytes": memory_bytes(),
+        "batch": attrs.asdict(runtime.batcher.stats),
+        "stats": attrs.asdict(runtime.stats),
+    }
+
+
+def memory_bytes() -> int:
+    """This process's resident memory plus what torch holds on the GPU."""
+    try:
+        with open("/proc/self/statm") as f:
+            resident = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        resident = 0
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        resident += sum(torch.cuda.memory_reserved(i) for i in range(torch.cuda.device_count()))
+    return resident
+
+
+async def serve(args: argparse.Namespace, template: str | None, handshake: IO[str]) -> int:
+    """Load the model, tell the parent where it is served, and serve it until cancelled; 1 if it cannot load."""
+    ready = False
+    try:
+        async with Runtime.open(
+            args.model, num_parallel=args.num_parallel, num_ctx=args.num_ctx, num_batch=args.num_batch,
+            precision=args.precision, device=args.device, template=template,
+        ) as runtime:
+            ready = True
+            token = secrets.token_hex(16)
+            server = RunnerServer(runtime, token)
+            async with trio.open_nursery() as nursery:
+                listeners = await nursery.start(functools.partial(trio.serve_tcp, server.handle, 0, host="127.0.0.1"))
+                port = listeners[0].socket.getsockname()[1]
+                _say(handshake, {
+                    "port": port, "pid": os.getpid(), "token": token, "info": attrs.asdict(runtime.model.info),
+                    "vocab_size": runtime.model.tokenizer.vocab_size,
+                    "bos_id": getattr(runtime.model.tokenizer, "bos_id", None),
+                    "status": runtime_status(runtime),
+                })
+                log.info("serving %s on 127.0.0.1:%d", args.model, port)
+    except Exception as exc:
+        if ready:
+            raise
+        # A user's mistake (not a GGUF, unknown architecture) needs its message; anything else its traceback.
+        log.error("could not load %s: %s", args.model, exc, exc_info=not isinstance(exc, CorralError))
+        _say(handshake, {"error": error_to_json(exc)})
+        return 1
+    return 0
+
+
+def _say(handshake: IO[str], message: dict) -> None:
+    handshake.write(json.dumps(message) + "\n")
+    handshake.flush()
+    handshake.close()
+
+
+def _exit_soon() -> None:
+    # A model load in progress cannot be cancelled; never outlive the request to stop by more than this.
+    timer = threading.Timer(EXIT_GRACE, os._exit, (1,))
+    timer.daemon = True
+    timer.start()
+
+
+async def _exit_when_orphaned(scope: trio.CancelScope) -> None:
+    """Our stdin is the parent's pipe: at its end the parent has gone, and so do we."""
+    async with trio.lowlevel.FdStream(os.dup(0)) as stdin:
+        with contextlib.suppress(trio.BrokenResourceError):
+            while await stdin.receive_some(1 << 12):
+                pass
+    log.info("stdin closed (the parent is stopping us, or has gone): exiting")
+    _exit_soon()
+    scope.cancel()
+
+
+async def _exit_on_signal(scope: trio.CancelScope) -> None:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for signum in signals:
+            log.info("%s: exiting", signal.Signals(signum).name)
+            _exit_soon()
+            scope.cancel()
+            return
+
+
+async def run(args: argparse.Namespace, template: str | None, handshake: IO[str]) -> int:
+    """Serve until the parent goes or signals us; the exit status."""
+    code = 0
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_exit_when_orphaned, nursery.cancel_scope)
+        nursery.start_soon(_exit_on_signal, nursery.cancel_scope)
+        code = await serve(args, template, handshake)
+        nursery.cancel_scope.cancel()
+    return code
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m corral.runner", description="Serve one model to the corral server.")
+    p.add_argument("--model", required=True, help="path of the GGUF file")
+    p.add_argument("--num-parallel", type=int, default=4)
+    p.add_argument("--num-ctx", type=int, default=4096)
+    p.add_argument("--num-batch", type=int, default=512)
+    p.add_argument("--precision", default="auto")
+    p.add_argument("--device", default=None)
+    p.add_argument("--template-file", default=None, help="a Jinja chat template to use instead of the file's")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    # The handshake gets the real stdout; fd 1 becomes stderr so stray prints land in the parent's log.
+    handshake = os.fdopen(os.dup(1), "w", encoding="utf-8")
+    os.dup2(2, 1)
+    logging.basicConfig(
+        level=os.environ.get("CORRAL_RUNNER_LOG_LEVEL", "INFO").upper(),
+        format="%(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    template = None
+    if args.template_file:
+        with open(args.template_file, encoding="utf-8") as f:
+            template = f.read()
+    # Outside trio.run's signal receiver (its last moments, the shutdown after it) a SIGTERM or SIGINT
+    # finds us exiting already: it must not turn a clean exit into a death by signal.
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: None)
+    return trio.run(run, args, template, handshake)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,619 @@
+"""A model served by a child process (`python -m corral.runner`) behind the Runtime's interface.
+
+    async with RunnerProcess.open(path, num_parallel=4, num_ctx=4096, num_batch=512) as runner:
+        async with runner.generate("Why is the sky blue?", {"temperature": 0}) as stream:
+            text, final = await stream.collect()
+
+A native crash or an out-of-memory kill then ends the runner, not the server. The protocol is JSON
+lines over loopback TCP, one connection per call: the parent sends `{"token", "op", "args"}`; a call
+answers `{"result": ...}` or `{"error": {"type", "message"}}`; a stream answers `{"started": true}`
+(or an error), then `{"chunk": {...}}` lines and, if the generation fails, an error line. Closing the
+connection ends the request's sequence. The port and the token come in the readiness handshake, one
+JSON line on the child's stdout; the token keeps other local users off the port.
+
+The child exits when its stdin closes, so it cannot outlive its parent, even one killed with -9.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from typing import Any, AsyncIterator
+
+import attrs
+import trio
+
+from corral.engine import ModelInfo
+from corral.errors import CorralError
+from corral.runner.batching import BatchStats
+from corral.runner.runtime import RuntimeStats
+from corral.runner.stream import Chunk, TokenLogprob
+
+log = logging.getLogger("corral.runner")
+
+DEFAULT_LOAD_TIMEOUT = 300.0  # seconds; CORRAL_LOAD_TIMEOUT overrides, as OLLAMA_LOAD_TIMEOUT does Ollama's
+HEALTH_INTERVAL = 5.0
+HEALTH_TIMEOUT = 10.0
+HEALTH_FAILURES = 3  # consecutive failed checks before a runner that still runs is killed as hung
+STOP_TIMEOUT = 5.0  # SIGTERM, then this long before SIGKILL
+LOG_TAIL = 20
+MAX_LINE = 256 << 20
+
+# The child gets these variables and no others: its tools (PATH, the venv, locale), corral's own
+# settings, and what torch, CUDA and the math libraries read. Secrets in the server's environment stay there.
+ENV_NAMES = frozenset({
+    "PATH", "HOME", "USER", "LOGNAME", "TMPDIR", "TZ", "LANG", "LANGUAGE", "PYTHONPATH", "VIRTUAL_ENV",
+    "LD_LIBRARY_PATH",
+})
+ENV_PREFIXES = (
+    "LC_", "CORRAL_", "CUDA_", "NVIDIA_", "TORCH_", "TORCHINDUCTOR_", "PYTORCH_", "TRITON_", "OMP_", "MKL_",
+    "OPENBLAS_", "XDG_",
+)
+
+
+class RunnerError(CorralError):
+    """The runner process failed; the request could not complete."""
+
+
+class RunnerLoadError(RunnerError):
+    """The runner process could not load the model; the message carries its reason and last log lines."""
+
+
+class RunnerDiedError(RunnerError):
+    """The runner process exited (crashed, was killed, ran out of memory) while serving a request."""
+
+
+def runner_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The child's environment: the allowed part of ours, then `extra`."""
+    env = {key: value for key, value in os.environ.items() if key in ENV_NAMES or key.startswith(ENV_PREFIXES)}
+    env["PYTHONUNBUFFERED"] = "1"
+    return env | (extra or {})
+
+
+def describe_exit(returncode: int | None) -> str:
+    """How a process ended, in words."""
+    if returncode is None:
+        return "is still running"
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        hint = " (the system may have run out of memory)" if returncode == -signal.SIGKILL else ""
+        return f"was killed by {name}{hint}"
+    return f"exited with code {returncode}"
+
+
+# --- the wire format --------------------------------------------------------------------------
+class JsonLines:
+    """JSON values, one per line, over a Trio byte stream."""
+
+    def __init__(self, stream: Any):
+        self.stream = stream
+        self._buffer = bytearray()
+        self._scanned = 0
+
+    async def receive_line(self) -> bytes | None:
+        """The next line without its newline; None at the end of the stream."""
+        while True:
+            end = self._buffer.find(b"\n", self._scanned)
+            if end >= 0:
+                line = bytes(self._buffer[:end])
+                del self._buffer[: end + 1]
+                self._scanned = 0
+                return line
+            self._scanned = len(self._buffer)
+            if self._scanned > MAX_LINE:
+                raise RunnerError(f"a line from the runner is longer than {MAX_LINE} bytes")
+            data = await self.stream.receive_some(1 << 16)
+            if not data:
+                return None
+            self._buffer += data
+
+    async def receive(self) -> Any:
+        """The next value; None at the end of the stream."""
+        line = await self.receive_line()
+        return None if line is None else json.loads(line)
+
+    async def send(self, value: Any) -> None:
+        await self.stream.send_all(json.dumps(value).encode() + b"\n")
+
+
+def chunk_to_json(chunk: Chunk) -> dict:
+    """A chunk as JSON-ready values."""
+    return attrs.asdict(chunk)
+
+
+_CHUNK_FIELDS = frozenset(field.name for field in attrs.fields(Chunk))
+
+
+def chunk_from_json(data: dict) -> Chunk:
+    """The chunk `chunk_to_json` described."""
+    fields = {key: value for key, value in data.items() if key in _CHUNK_FIELDS}
+    fields["token_ids"] = tuple(fields.get("token_ids", ()))
+    fields["context"] = tuple(fields.get("context", ()))
+    fields["logprobs"] = tuple(
+        TokenLogprob(lp["token"], lp["text"], lp["logprob"], tuple(tuple(top) for top in lp.get("top", ())))
+        for lp in fields.get("logprobs", ())
+    )
+    return Chunk(**fields)
+
+
+def error_to_json(exc: BaseException) -> dict:
+    return {"type": type(exc).__name__, "message": str(exc)}
+
+
+_BUILTIN_ERRORS = {cls.__name__: cls for cls in (ValueError, TypeError, KeyError, RuntimeError, NotImplementedError)}
+
+
+def error_from_json(data: dict) -> Exception:
+    """The child's error as the same type here when it is a corral error (so it maps to the same status)."""
+    name, message = str(data.get("type", "")), str(data.get("message", ""))
+    cls = _corral_errors().get(name) or _BUILTIN_ERRORS.get(name)
+    if cls is not None:
+        try:
+            return cls(message)
+        except TypeError:
+            pass
+    return RunnerError(f"{name}: {message}" if name else message)
+
+
+def _corral_errors() -> dict[str, type[CorralError]]:
+    found, todo = {}, [CorralError]
+    while todo:
+        cls = todo.pop()
+        found.setdefault(cls.__name__, cls)
+        todo.extend(cls.__subclasses__())
+    return found
+
+
+# --- what the server reads ----------------------------------------------------------------------
+@attrs.frozen
+class RunnerTokenizer:
+    """The part of the child's tokenizer the server reads."""
+
+    vocab_size: int
+    bos_id: int | None = None
+
+
+@attrs.frozen
+class RunnerModel:
+    """Stands in for `Runtime.model`: the model's path, info and vocabulary size."""
+
+    path: str
+    info: ModelInfo
+    tokenizer: RunnerTokenizer
+
+
+@attrs.frozen
+class RunnerStatus:
+    """The child runtime's gauges and counters, as of the last health check."""
+
+    num_ctx: int
+    num_parallel: int
+    num_batch: int
+    live_sequences: int = 0
+    waiting: int = 0
+    free_slots: int = 0
+    cache_used_cells: int = 0
+    cache_cells: tuple[int, ...] = ()
+    memory_bytes: int = 0
+    batch: dict = attrs.field(factory=dict)  # BatchStats fields
+    stats: dict = attrs.field(factory=dict)  # RuntimeStats fields
+
+    @classmethod
+    def from_json(cls, data: dict) -> RunnerStatus:
+        names = {field.name for field in attrs.fields(cls)}
+        fields = {key: value for key, value in data.items() if key in names}
+        fields["cache_cells"] = tuple(fields.get("cache_cells", ()))
+        return cls(**fields)
+
+
+@attrs.frozen
+class SlotsView:
+    waiting: int
+    free: int
+
+
+@attrs.frozen
+class BatcherView:
+    stats: BatchStats
+
+
+@attrs.frozen
+class PoolView:
+    num_cells: int
+
+
+@attrs.frozen
+class CacheView:
+    used: int
+    pools: tuple[PoolView, ...]
+
+    def used_cells(self) -> int:
+        return self.used
+
+
+# --- the parent side ----------------------------------------------------------------------------
+class RunnerStream:
+    """The chunks of one generation in the child; raises its error, or RunnerDiedError, after the last chunk."""
+
+    def __init__(self, runner: RunnerProcess, lines: JsonLines):
+        self._runner = runner
+        self._lines = lines
+        self._done = False
+        self._ended = False
+
+    def __aiter__(self) -> AsyncIterator[Chunk]:
+        return self
+
+    async def __anext__(self) -> Chunk:
+        if self._ended:
+            raise StopAsyncIteration
+        try:
+            message = await self._lines.receive()
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            message = None
+        if message is None:
+            self._ended = True
+            if self._done:
+                raise StopAsyncIteration
+            raise await self._runner._died("during a generation")
+        if "error" in message:
+            self._ended = True
+            raise error_from_json(message["error"])
+        chunk = chunk_from_json(message["chunk"])
+        self._done = self._done or chunk.done
+        return chunk
+
+    async def collect(self) -> tuple[str, Chunk]:
+        """All the text and the final chunk."""
+        pieces, last = [], None
+        async for chunk in self:
+            pieces.append(chunk.text)
+            last = chunk
+        return "".join(pieces), last
+
+
+class RunnerProcess:
+    """One model served by a child process, with the interface of `Runtime` that the server uses."""
+
+    def __init__(self, process: trio.Process, path: str, health_interval: float):
+        self.path = path
+        self.pid = process.pid
+        self.returncode: int | None = None
+        self.exited = trio.Event()  # the child is gone: the scheduler should drop this runner
+        self.health_interval = health_interval
+        self.model: RunnerModel | None = None
+        self._process = process
+        self._port = 0
+        self._token = ""
+        self._status: RunnerStatus | None = None
+        self._hung = False
+        self._stopping = False
+        self._log_tail: collections.deque[str] = collections.deque(maxlen=LOG_TAIL)
+        self._log_done = trio.Event()
+
+    @classmethod
+    @contextlib.asynccontextmanager
+    async def open(
+        cls,
+        path: str | os.PathLike,
+        *,
+        num_parallel: int = 4,
+        num_ctx: int = 4096,
+        num_batch: int = 512,
+        precision: str = "auto",
+        device: str | None = None,
+        template: str | None = None,
+        env: dict[str, str] | None = None,
+        load_timeout: float | None = None,
+        health_interval: float = HEALTH_INTERVAL,
+    ) -> AsyncIterator[RunnerProcess]:
+        """Start a runner for the GGUF at `path`, wait until it has loaded, and stop it when the block exits.
+
+        Raises RunnerLoadError, with the child's reason and last log lines, when it cannot load.
+        `env` adds variables to the allowed part of ours (see `runner_env`).
+        """
+        path = os.fspath(path)
+        if load_timeout is None:
+            load_timeout = float(os.environ.get("CORRAL_LOAD_TIMEOUT") or DEFAULT_LOAD_TIMEOUT)
+        command = [
+            sys.executable, "-X", "faulthandler", "-m", "corral.runner", "--model", path,
+            "--num-parallel", str(num_parallel), "--num-ctx", str(num_ctx), "--num-batch", str(num_batch),
+            "--precision", precision,
+        ] + (["--device", device] if device else [])
+        failure: BaseException | None = None
+        with tempfile.TemporaryDirectory(prefix="corral-runner-") as scratch:
+            if template is not None:
+                template_file = os.path.join(scratch, "template.jinja")
+                with open(template_file, "w", encoding="utf-8") as f:
+                    f.write(template)
+                command += ["--template-file", template_file]
+            process = await trio.lowlevel.open_process(
+                command,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                env=runner_env(env),
+                start_new_session=True,  # a Ctrl-C in the terminal reaches the server, which stops the child
+            )
+            runner = cls(process, path, health_interval)
+            try:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(runner._forward_log)
+                    nursery.start_soon(runner._watch_exit)
+                    try:
+                        with trio.fail_after(load_timeout):
+                            await runner._handshake()
+                    except trio.TooSlowError:
+                        failure = RunnerLoadError(
+                            f"the runner for {path} did not load the model within {load_timeout:g} s "
+                            f"(CORRAL_LOAD_TIMEOUT){runner._tail()}"
+                        )
+                    except RunnerLoadError as exc:
+                        failure = exc
+                    else:
+                        nursery.start_soon(runner._watch_health)
+                        try:
+                            yield runner
+                        finally:
+                            await runner._stop()
+                    await runner._stop()
+                    nursery.cancel_scope.cancel()
+            finally:
+                await runner._stop()  # also when the start itself was cancelled
+        if failure is not None:
+            raise failure
+
+    # --- the Runtime interface --------------------------------------------------------------
+    @property
+    def alive(self) -> bool:
+        """Whether the child runs and answers."""
+        return not self.exited.is_set() and not self._hung and not self._stopping
+
+    @property
+    def num_ctx(self) -> int:
+        return self._status.num_ctx
+
+    @property
+    def num_parallel(self) -> int:
+        return self._status.num_parallel
+
+    @property
+    def num_batch(self) -> int:
+        return self._status.num_batch
+
+    @property
+    def status(self) -> RunnerStatus:
+        """The child's gauges as of the last health check."""
+        return self._status
+
+    @property
+    def slots(self) -> SlotsView:
+        return SlotsView(self._status.waiting, self._status.free_slots)
+
+    @property
+    def batcher(self) -> BatcherView:
+        return BatcherView(BatchStats(**self._status.batch))
+
+    @property
+    def cache(self) -> CacheView:
+        return CacheView(self._status.cache_used_cells, tuple(PoolView(n) for n in self._status.cache_cells))
+
+    @property
+    def stats(self) -> RuntimeStats:
+        """The child runtime's request counters, as of the last health check."""
+        return RuntimeStats(**self._status.stats)
+
+    def live_sequences(self) -> int:
+        """Sequences the child's batching actor was running at the last health check."""
+        return self._status.live_sequences
+
+    def memory_bytes(self) -> int:
+        """The child's resident memory plus its CUDA allocations, at the last health check."""
+        return self._status.memory_bytes
+
+    def generate(
+        self,
+        prompt: str,
+        options: dict | None = None,
+        *,
+        raw: bool = False,
+        system: str | None = None,
+        context: list[int] | None = None,
+        shift: bool = True,
+        logprobs: bool = False,
+        top_logprobs: int = 0,
+        format: str | dict | None = None,
+    ) -> contextlib.AbstractAsyncContextManager[RunnerStream]:
+        """Stream the completion of `prompt`, as `Runtime.generate` does."""
+        args = dict(prompt=prompt, options=options, raw=raw, system=system, context=context, shift=shift,
+                    logprobs=logprobs, top_logprobs=top_logprobs, format=format)
+        return self._stream("generate", args)
+
+    def chat(
+        self,
+        messages: list[dict],
+        options: dict | None = None,
+        *,
+        tools: list[dict] | None = None,
+        shift: bool = True,
+        logprobs: bool = False,
+        top_logprobs: int = 0,
+        format: str | dict | None = None,
+    ) -> contextlib.AbstractAsyncContextManager[RunnerStream]:
+        """Stream the assistant's reply to `messages`, as `Runtime.chat` does."""
+        args = dict(messages=messages, options=options, tools=tools, shift=shift, logprobs=logprobs,
+                    top_logprobs=top_logprobs, format=format)
+        return self._stream("chat", args)
+
+    async def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+        """Token ids of `text`."""
+        return await self._call("tokenize", text=text, add_special=add_special)
+
+    async def detokenize(self, ids: list[int]) -> str:
+        """Text of token ids."""
+        return await self._call("detokenize", ids=list(ids))
+
+    async def refresh(self) -> RunnerStatus:
+        """Ask the child for its status now (the health check does this every `health_interval`)."""
+        self._status = RunnerStatus.from_json(await self._call("status"))
+        return self._status
+
+    # --- internals --------------------------------------------------------------------------
+    async def _connect(self, what: str) -> JsonLines:
+        if self.exited.is_set():
+            raise await self._died(what)
+        try:
+            return JsonLines(await trio.open_tcp_stream("127.0.0.1", self._port))
+        except OSError:
+            raise await self._died(what) from None
+
+    async def _call(self, op: str, **args: Any) -> Any:
+        lines = await self._connect(f"before answering {op}")
+        async with lines.stream:
+            try:
+                await lines.send({"token": self._token, "op": op, "args": args})
+                reply = await lines.receive()
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                reply = None
+        if reply is None:
+            raise await self._died(f"while answering {op}")
+        if "error" in reply:
+            raise error_from_json(reply["error"])
+        return reply["result"]
+
+    @contextlib.asynccontextmanager
+    async def _stream(self, op: str, args: dict) -> AsyncIterator[RunnerStream]:
+        lines = await self._connect(f"before a {op} request")
+        async with lines.stream:  # leaving closes the connection, which ends the child's sequence
+            try:
+                await lines.send({"token": self._token, "op": op, "args": args})
+                first = await lines.receive()
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                first = None
+            if first is None:
+                raise await self._died(f"before starting a {op} request")
+            if "error" in first:
+                raise error_from_json(first["error"])
+            yield RunnerStream(self, lines)
+
+    async def _died(self, what: str) -> RunnerDiedError:
+        """The error for a request the child stopped answering: how it ended, and its last words."""
+        with trio.move_on_after(2):
+            await self.exited.wait()
+        with trio.move_on_after(0.5):
+            await self._log_done.wait()
+        name = self.model.info.name if self.model else self.path
+        if self._hung:
+            how = "stopped answering its health checks and was killed"
+        elif self.exited.is_set():
+            how = describe_exit(self.returncode)
+        elif self._stopping:
+            how = "is being stopped"
+        else:
+            how = "closed the connection"
+        return RunnerDiedError(f"the runner for {name} (pid {self.pid}) {how} {what}{self._tail(5)}")
+
+    async def _handshake(self) -> None:
+        ready = None
+        try:
+            ready = await JsonLines(self._process.stdout).receive()
+        except (ValueError, trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        if isinstance(ready, dict) and "port" in ready:
+            self._port, self._token = int(ready["port"]), str(ready["token"])
+            self.model = RunnerModel(
+                self.path, ModelInfo(**ready["info"]), RunnerTokenizer(ready["vocab_size"], ready.get("bos_id"))
+            )
+            self._status = RunnerStatus.from_json(ready["status"])
+            log.info("runner pid %d serves %s on port %d", self.pid, self.path, self._port)
+            return
+        with trio.move_on_after(STOP_TIMEOUT):
+            await self.exited.wait()
+        with trio.move_on_after(1):
+            await self._log_done.wait()
+        if isinstance(ready, dict) and "error" in ready:
+            reason = ready["error"].get("message") or ready["error"].get("type")
+        else:
+            reason = f"it {describe_exit(self._process.returncode)} before it was ready"
+        raise RunnerLoadError(f"the runner failed to load the model: {reason}{self._tail()}")
+
+    def _tail(self, count: int = LOG_TAIL) -> str:
+        lines = list(self._log_tail)[-count:]
+        return "; its last log lines:\n" + "\n".join("  " + line for line in lines) if lines else ""
+
+    async def _forward_log(self) -> None:
+        """The child's stderr, line by line, into our `corral.runner` log at the level each line was logged."""
+        lines, level = JsonLines(self._process.stderr), logging.WARNING
+        try:
+            while (line := await lines.receive_line()) is not None:
+                text = line.decode(errors="replace").rstrip()
+                named = logging.getLevelName(text.split(" ", 1)[0])
+                # a line without a level (a traceback, a native crash) keeps its logger line's level, at least WARNING
+                level = named if isinstance(named, int) else max(level, logging.WARNING)
+                self._log_tail.append(text)
+                log.log(level, "[runner %d] %s", self.pid, text)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, RunnerError):
+            pass
+        finally:
+            self._log_done.set()
+
+    async def _watch_exit(self) -> None:
+        self.returncode = await self._process.wait()
+        self.exited.set()
+        if not self._stopping:
+            log.error("the runner for %s (pid %d) %s", self.path, self.pid, describe_exit(self.returncode))
+
+    async def _watch_health(self) -> None:
+        failures = 0
+        while not self.exited.is_set():
+            await trio.sleep(self.health_interval)
+            try:
+                with trio.fail_after(HEALTH_TIMEOUT):
+                    await self.refresh()
+            except (RunnerError, OSError, trio.TooSlowError) as exc:
+                if self.exited.is_set() or self._stopping:
+                    return
+                failures += 1
+                log.warning("the runner for %s (pid %d) failed a health check: %s", self.path, self.pid, exc)
+                if failures >= HEALTH_FAILURES:
+                    log.error("the runner for %s (pid %d) stopped answering; killing it", self.path, self.pid)
+                    self._hung = True
+                    self._signal(signal.SIGKILL)
+                    return
+            else:
+                failures = 0
+
+    def _signal(self, signum: int) -> None:
+        # The whole process group: anything the child started (compile workers) goes with it.
+        if self._process.returncode is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.pid, signum)
+
+    async def _stop(self) -> None:
+        """Close the child's stdin, SIGTERM it, SIGKILL it after STOP_TIMEOUT, and reap it; idempotent."""
+        self._stopping = True
+        with trio.CancelScope(shield=True):
+            with contextlib.suppress(trio.ClosedResourceError, trio.BrokenResourceError, OSError):
+                await self._process.stdin.aclose()
+            if self._process.returncode is None:
+                self._signal(signal.SIGTERM)
+                with trio.move_on_after(STOP_TIMEOUT):
+                    await self._process.wait()
+                if self._process.returncode is None:
+                    log.warning("the runner pid %d did not exit %g s after SIGTERM; killing it", self.pid, STOP_TIMEOUT)
+                    self._signal(signal.SIGKILL)
+                    await self._process.wait()
+            self.returncode = self._process.returncode
+            with trio.move_on_after(1):
+                await self._log_done.wait()  # the child's last lines reach the log
+            self.exited.set()
