@@ -41,9 +41,9 @@ def decode(id, position=20, **kw):
         pytest.param([prefill(0, 10), prefill(1, 10)], 15, [(0, 10)], id="a-chunk-that-does-not-fit-waits"),
         pytest.param([prefill(0, 4), prefill(1, 3)], 16, [(0, 4), (1, 3)], id="small-prompts-share-a-step"),
         pytest.param([prefill(0, 40), prefill(1, 3)], 16, [(0, 16)], id="long-prompt-takes-the-budget-in-order"),
-        pytest.param([decode(0), decode(1), decode(2), prefill(3, 4)], 2, [(0, 1), (1, 1)], id="decodes-alone-exhaust-budget"),
-        pytest.param([decode(0), decode(1), prefill(2, 4)], 3, [(0, 1), (1, 1)], id="a-prompt-is-never-split-by-leftovers"),
-        pytest.param([decode(0), decode(1), prefill(2, 1)], 3, [(0, 1), (1, 1), (2, 1)], id="a-one-token-chunk-fits"),
+        pytest.param([decode(0), decode(1), decode(2), prefill(3, 4)], 2, [(0, 1), (1, 1), (2, 1)], id="every-decode-runs-beside-the-budget"),
+        pytest.param([decode(0), decode(1), prefill(2, 4)], 3, [(0, 1), (1, 1), (2, 3)], id="prompt-chunks-are-budget-sized"),
+        pytest.param([prefill(0, 2), prefill(1, 4)], 3, [(0, 2)], id="a-chunk-is-never-split-by-leftovers"),
         pytest.param([decode(0, buffered=EVENT_BUFFER), decode(1)], 8, [(1, 1)], id="paused-reader-skipped"),
         pytest.param([decode(0, buffered=EVENT_BUFFER - 1), decode(1)], 8, [(0, 1), (1, 1)], id="almost-paused-still-runs"),
         pytest.param([decode(0, finished=True), prefill(1, 2)], 8, [(1, 2)], id="finished-skipped"),
@@ -55,7 +55,14 @@ def decode(id, position=20, **kw):
 def test_plan_step(sequences, budget, expected):
     plan = plan_step(sequences, budget)
     assert [(seq.id, count) for seq, count in plan] == expected
-    assert sum(count for _, count in plan) <= budget
+    prompt_tokens = sum(count for seq, count in plan if not seq.decoding)
+    assert prompt_tokens <= budget  # decode tokens ride on top of the budget
+
+
+def test_plan_step_starts_a_long_prompt_while_another_sequence_decodes():
+    waiting = prefill(1, 40)
+    plan = plan_step([decode(0), waiting], 16)
+    assert [(seq.id, count) for seq, count in plan] == [(0, 1), (1, 16)]
 
 
 def test_build_batch_rows_positions_and_sequences_follow_the_plan():

@@ -71,18 +71,18 @@ class Sequence:
 
 
 def plan_step(sequences: list[Sequence], budget: int) -> list[tuple[Sequence, int]]:
-    """Which sequences feed how many tokens this step: every decode first, then prompt chunks in order.
+    """Which sequences feed how many tokens this step: every decode token, then prompt chunks in order.
 
     A prompt is always cut into the same chunks (`budget` tokens each, the last shorter), whatever
-    else runs: a chunk that does not fit this step waits for the next. Every sequence thus sees the
-    same kernel calls alone or batched, which keeps its output bit-identical (batch invariance).
+    else runs, and a chunk that does not fit this step's budget waits for the next. Every sequence
+    thus sees the same kernel calls alone or batched, which keeps its output bit-identical (batch
+    invariance). Decode tokens (one per running sequence, so at most num_parallel) ride on top of
+    the budget: otherwise a full-size chunk would never fit beside them and a long prompt would
+    wait for every other sequence to finish.
     """
     plan, left = [], budget
     runnable = [s for s in sequences if not s.finished and s.pending and not s.paused()]
-    for seq in runnable:
-        if seq.decoding and left > 0:
-            plan.append((seq, 1))
-            left -= 1
+    plan += [(seq, 1) for seq in runnable if seq.decoding]
     for seq in runnable:
         if seq.decoding:
             continue

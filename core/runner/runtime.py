@@ -19,6 +19,7 @@ import attrs
 import trio
 
 from corral.engine import LoadedModel, load_model
+from corral.errors import CorralError
 from corral.grammar import Grammar, GrammarMatcher, compile_format
 from corral.kvcache import CausalCache
 from corral.options import InvalidOptionError, Options, parse_options
@@ -28,6 +29,10 @@ from corral.runner.sequence import SequenceActor, truncate_prompt
 from corral.runner.slots import SlotPool
 from corral.runner.stream import Chunk
 from corral.sample import MAX_TOP_LOGPROBS, SamplerChain, SequenceSampler
+
+
+class InvalidPromptError(CorralError, ValueError):
+    """The prompt is empty, or its context holds token ids outside the model's vocabulary."""
 
 
 @attrs.define
@@ -255,10 +260,10 @@ class Runtime:
         # The model's first constrained request builds its llguidance tokenizer: off the event loop.
         matcher = await trio.to_thread.run_sync(GrammarMatcher.start, self.model.tokenizer, grammar) if grammar else None
         if not ids:
-            raise ValueError("the prompt is empty")
+            raise InvalidPromptError("the prompt is empty")
         vocab = self.model.tokenizer.vocab_size
         if not all(0 <= token < vocab for token in ids):
-            raise ValueError(f"the context has token ids outside the vocabulary of {vocab} tokens; pass back a context this model returned")
+            raise InvalidPromptError(f"the context has token ids outside the vocabulary of {vocab} tokens; pass back a context this model returned")
         num_keep = min(len(ids) if opts.num_keep < 0 else opts.num_keep, num_ctx - 1)  # -1: the whole prompt
         ids = truncate_prompt(ids, num_ctx, num_keep)
         num_predict, shift = (-1, False) if opts.num_predict == -2 else (opts.num_predict, shift)  # -2: fill the context
