@@ -41,7 +41,7 @@ def decode(id, position=20, **kw):
         pytest.param([prefill(0, 10), prefill(1, 10)], 15, [(0, 10)], id="a-chunk-that-does-not-fit-waits"),
         pytest.param([prefill(0, 4), prefill(1, 3)], 16, [(0, 4), (1, 3)], id="small-prompts-share-a-step"),
         pytest.param([prefill(0, 40), prefill(1, 3)], 16, [(0, 16)], id="long-prompt-takes-the-budget-in-order"),
-        pytest.param([decode(0), decode(1), decode(2), prefill(3, 4)], 2, [(0, 1), (1, 1), (2, 1)], id="every-decode-runs-beside-the-budget"),
+        pytest.param([decode(0), decode(1), decode(2), prefill(3, 4)], 2, [(0, 1), (1, 1), (2, 1), (3, 2)], id="every-decode-runs-beside-the-budget"),
         pytest.param([decode(0), decode(1), prefill(2, 4)], 3, [(0, 1), (1, 1), (2, 3)], id="prompt-chunks-are-budget-sized"),
         pytest.param([prefill(0, 2), prefill(1, 4)], 3, [(0, 2)], id="a-chunk-is-never-split-by-leftovers"),
         pytest.param([decode(0, buffered=EVENT_BUFFER), decode(1)], 8, [(1, 1)], id="paused-reader-skipped"),
