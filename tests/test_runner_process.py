@@ -82,7 +82,9 @@ def test_the_child_inherits_only_what_it_needs(monkeypatch):
 
 @pytest.mark.parametrize("method", ["generate", "chat", "tokenize", "detokenize"])
 def test_the_runner_process_takes_the_runtimes_arguments(method):
-    parameters = lambda cls: [(p.name, p.kind, p.default) for p in inspect.signature(getattr(cls, method)).parameters.values()]
+    def parameters(cls) -> list:
+        return [(p.name, p.kind, p.default) for p in inspect.signature(getattr(cls, method)).parameters.values()]
+
     assert parameters(RunnerProcess) == parameters(Runtime)
 
 
@@ -162,6 +164,15 @@ async def test_request_errors_keep_their_type_and_the_runner_serves_on(tiny_path
             async with runner.generate("hello", {"temperature": "hot"}):
                 pass  # pragma: no cover
         assert await runner.detokenize(await runner.tokenize("hello", add_special=False)) == "hello"
+
+
+async def test_a_template_replaces_the_files_chat_template(tiny_path):
+    template = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}"
+    async with RunnerProcess.open(tiny_path, template=template, **SMALL) as runner:
+        async with runner.chat([{"role": "user", "content": "hi"}], {"temperature": 0, "num_predict": 1}) as stream:
+            _, final = await stream.collect()
+        prompt = await runner.detokenize(list(final.context[: final.prompt_eval_count]))
+    assert prompt.endswith("<<hi>>")
 
 
 async def test_leaving_a_stream_early_ends_the_childs_sequence(tiny_path):

@@ -47,8 +47,9 @@ class RunnerServer:
         try:
             async with stream:
                 request = await lines.receive()
-                if not isinstance(request, dict) or not hmac.compare_digest(str(request.get("token")), self.token):
-                    return
+                token = str(request.get("token")) if isinstance(request, dict) else ""
+                if not hmac.compare_digest(token.encode(), self.token.encode()):
+                    return  # not our parent
                 op, args = request.get("op"), request.get("args") or {}
                 if op in ("generate", "chat"):
                     await self._stream(op, args, lines)

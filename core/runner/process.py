@@ -218,30 +218,52 @@ class RunnerStatus:
 
 @attrs.frozen
 class SlotsView:
+    """Stands in for `Runtime.slots` in /metrics."""
+
     waiting: int
     free: int
 
 
 @attrs.frozen
 class BatcherView:
+    """Stands in for `Runtime.batcher` in /metrics."""
+
     stats: BatchStats
 
 
 @attrs.frozen
 class PoolView:
+    """One KV cache pool's size."""
+
     num_cells: int
 
 
 @attrs.frozen
 class CacheView:
+    """Stands in for `Runtime.cache` in /metrics."""
+
     used: int
     pools: tuple[PoolView, ...]
 
     def used_cells(self) -> int:
+        """KV cache cells holding a token."""
         return self.used
 
 
 # --- the parent side ----------------------------------------------------------------------------
+def _write_template(template: str) -> str:
+    fd, name = tempfile.mkstemp(prefix="corral-template-", suffix=".jinja")
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(template)
+    return name
+
+
+def _remove(path: str | None) -> None:
+    if path:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
+
+
 class RunnerStream:
     """The chunks of one generation in the child; raises its error, or RunnerDiedError, after the last chunk."""
 
@@ -330,13 +352,11 @@ class RunnerProcess:
             "--num-parallel", str(num_parallel), "--num-ctx", str(num_ctx), "--num-batch", str(num_batch),
             "--precision", precision,
         ] + (["--device", device] if device else [])
+        template_file = _write_template(template) if template is not None else None
+        if template_file:
+            command += ["--template-file", template_file]
         failure: BaseException | None = None
-        with tempfile.TemporaryDirectory(prefix="corral-runner-") as scratch:
-            if template is not None:
-                template_file = os.path.join(scratch, "template.jinja")
-                with open(template_file, "w", encoding="utf-8") as f:
-                    f.write(template)
-                command += ["--template-file", template_file]
+        try:
             process = await trio.lowlevel.open_process(
                 command,
                 stdin=subprocess.PIPE,
@@ -345,31 +365,36 @@ class RunnerProcess:
                 env=runner_env(env),
                 start_new_session=True,  # a Ctrl-C in the terminal reaches the server, which stops the child
             )
-            runner = cls(process, path, health_interval)
-            try:
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(runner._forward_log)
-                    nursery.start_soon(runner._watch_exit)
+        except BaseException:
+            _remove(template_file)
+            raise
+        runner = cls(process, path, health_interval)
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(runner._forward_log)
+                nursery.start_soon(runner._watch_exit)
+                try:
+                    with trio.fail_after(load_timeout):
+                        await runner._handshake()
+                except trio.TooSlowError:
+                    failure = RunnerLoadError(
+                        f"the runner for {path} did not load the model within {load_timeout:g} s "
+                        f"(CORRAL_LOAD_TIMEOUT){runner._tail()}"
+                    )
+                except RunnerLoadError as exc:
+                    failure = exc
+                else:
+                    _remove(template_file)  # read before loading; a server killed later leaves nothing behind
+                    nursery.start_soon(runner._watch_health)
                     try:
-                        with trio.fail_after(load_timeout):
-                            await runner._handshake()
-                    except trio.TooSlowError:
-                        failure = RunnerLoadError(
-                            f"the runner for {path} did not load the model within {load_timeout:g} s "
-                            f"(CORRAL_LOAD_TIMEOUT){runner._tail()}"
-                        )
-                    except RunnerLoadError as exc:
-                        failure = exc
-                    else:
-                        nursery.start_soon(runner._watch_health)
-                        try:
-                            yield runner
-                        finally:
-                            await runner._stop()
-                    await runner._stop()
-                    nursery.cancel_scope.cancel()
-            finally:
-                await runner._stop()  # also when the start itself was cancelled
+                        yield runner
+                    finally:
+                        await runner._stop()
+                await runner._stop()
+                nursery.cancel_scope.cancel()
+        finally:
+            await runner._stop()  # also when the start itself was cancelled
+            _remove(template_file)
         if failure is not None:
             raise failure
 
@@ -570,7 +595,7 @@ class RunnerProcess:
     async def _watch_exit(self) -> None:
         self.returncode = await self._process.wait()
         self.exited.set()
-        if not self._stopping:
+        if not self._stopping and self.model is not None:  # before it was ready, the load error says it
             log.error("the runner for %s (pid %d) %s", self.path, self.pid, describe_exit(self.returncode))
 
     async def _watch_health(self) -> None:

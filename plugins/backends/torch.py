@@ -1,13 +1,17 @@
 """The PyTorch backend: CPU and CUDA.
 
 Weights (precision "auto"): Q4_0, Q4_1 and Q4_K linears stay 4-bit, packed for torch's int4
-group-32 kernel with bf16 activations. Other linears (Q5_0, Q6_K, Q8_0, F16, ...) are dequantized
-once at load to bf16: torch's CPU bf16 GEMM, like the int4 kernel, gives each row the same bits
-whatever the batch (fp32 BLAS does not), which keeps every sequence's output independent of what
-it is batched with. The logits projection and embeddings stay float32, so logits are not rounded
-to bf16 (that flips near-tie argmaxes); their fp32 GEMM is made batch-invariant by chunking rows.
-Precision "fp32" dequantizes everything to float32: the reference mode. The residual stream,
-norms and rope run in float32 either way. Measurements: BENCHMARKS.md.
+group-32 kernel with bf16 activations. Other linears (Q5_0, Q6_K, Q8_0, F16, ...), embeddings and
+the logits projection are dequantized once at load to float32 on CPU (fp32 BLAS is 2-10x faster
+than its bf16 path here, and logits are not rounded to bf16, which flips near-tie argmaxes) and
+to bf16 on CUDA. Precision "fp32" dequantizes everything to float32: the reference mode. The
+residual stream, norms and rope run in float32 either way. Measurements: BENCHMARKS.md.
+
+Batch invariance: a sequence's output must not depend on what it is batched with. The int4
+kernel and the attention (one call per sequence over its own cache region) already give each row
+the same bits whatever the batch; BLAS does not (it picks its algorithm by the row count), so a
+dense linear runs each sequence's prompt chunk as its own call and single rows in chunks of 2..8,
+which measured bit-identical for any chunk size.
 
 Graphs are recorded as a list of (function, arguments) nodes and run eagerly by `compute()`; the
 recording is what lets a later step compile or replay decode-shaped graphs without model changes.
@@ -68,12 +72,8 @@ class TorchBackend:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.precision = precision
         reference = precision == "fp32"
-        self.dtypes = {
-            "linear": torch.float32 if reference else torch.bfloat16,
-            "logits": torch.float32,
-            "embedding": torch.float32,
-            "vector": torch.float32,
-        }
+        dense = torch.bfloat16 if self.device.type == "cuda" and not reference else torch.float32
+        self.dtypes = {"linear": dense, "logits": torch.float32, "embedding": torch.float32, "vector": torch.float32}
         self.kv_dtype = torch.float32 if reference else torch.bfloat16
         self._dense: dict[tuple[str, torch.dtype], torch.Tensor] = {}
 
@@ -231,10 +231,8 @@ SINGLES_CHUNK = 8
 def _dense_linear(
     x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, runs: list[tuple[int, int]] | None
 ) -> torch.Tensor:
-    # BLAS picks its algorithm by the row count, so a row's bits depend on how many rows share
-    # the call. To keep every sequence's result independent of the batch, a multi-row run of one
-    # sequence (a prompt chunk) gets a call of its own, and single rows (decode tokens, selected
-    # outputs) go in chunks of 2..8 rows, which measured bit-identical here for any chunk size.
+    # Batch invariance (see the module docstring): a multi-row run of one sequence (a prompt chunk)
+    # gets a call of its own; single rows (decode tokens, selected outputs) go in chunks of 2..8.
     xd = x.to(w.dtype)
     if runs is None or sum(stop - start for start, stop in runs) != x.shape[0]:
         runs = [(i, i + 1) for i in range(x.shape[0])]
