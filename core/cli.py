@@ -67,14 +67,11 @@ def serve() -> None:
     import trio
 
     from corral.logs import setup_logging
-    from corral.server.serve import address_from_env, serve as run_server
+    from corral.server.serve import address_from_env, serve_until_signalled
 
     setup_logging()  # logfmt on stderr (CORRAL_LOG_FORMAT=json for JSON lines), DEBUG with CORRAL_DEBUG=1
     host, port = address_from_env()
-    try:
-        trio.run(run_server, host, port)
-    except KeyboardInterrupt:
-        pass
+    trio.run(serve_until_signalled, host, port)
 
 
 # ---- pull -------------------------------------------------------------------------------------
@@ -792,3 +789,7 @@ def _processor(size: int, size_vram: int) -> str:
         return "100% GPU"
     gpu = round(size_vram * 100 / size)
     return f"{100 - gpu}%/{gpu}% CPU/GPU"
+
+
+if __name__ == "__main__":
+    main()

@@ -26,6 +26,7 @@ from corral.errors import CorralError, ModelNotFoundError
 from corral.modelfile import is_go_template, model_defaults
 from corral.options import LOAD_TIME_OPTIONS
 from corral.registry import Plugins
+from corral.runner.process import RunnerProcess
 from corral.runner.runtime import Runtime
 from corral.store import Store, default_store, parse_name
 
@@ -36,6 +37,7 @@ DEFAULT_NUM_PARALLEL = 4
 DEFAULT_NUM_CTX = 4096
 DEFAULT_MAX_QUEUE = 512
 DEFAULT_MAX_LOADED_MODELS = 3
+RUNNERS = ("process", "inprocess")
 _DURATION = re.compile(r"(-?\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")
 _UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 
@@ -119,6 +121,7 @@ class Scheduler:
         plugins: Plugins | None = None,
         num_parallel: int | None = None,
         default_num_ctx: int | None = None,
+        runner: str | None = None,
     ):
         self.store = store or default_store()
         self.plugins = plugins or Plugins()
@@ -128,6 +131,9 @@ class Scheduler:
         self.default_keep_alive = keep_alive_from_env()
         self.max_queue = int(os.environ.get("CORRAL_MAX_QUEUE", DEFAULT_MAX_QUEUE))
         self.max_loaded = max(1, int(os.environ.get("CORRAL_MAX_LOADED_MODELS", DEFAULT_MAX_LOADED_MODELS)))
+        self.runner = runner or os.environ.get("CORRAL_RUNNER", "process")
+        if self.runner not in RUNNERS:
+            raise CorralError(f"CORRAL_RUNNER must be one of {', '.join(RUNNERS)}, not {self.runner!r}")
         self.loaded: dict[str, Loaded] = {}
         self._load_lock = trio.Lock()  # one load at a time
         self._starting = 0  # requests waiting for their model to be found or loaded
@@ -184,6 +190,10 @@ class Scheduler:
         wanted = {key: options[key] for key in LOAD_TIME_OPTIONS if options.get(key) is not None}
         async with self._load_lock:
             entry = self.loaded.get(canonical)
+            if entry is not None and not getattr(entry.runtime, "alive", True):
+                entry.unload.set()  # its runner died: load a fresh one below
+                await entry.stopped.wait()
+                entry = None
             if entry is not None and not _compatible(entry.load_options, wanted):
                 await self._stop(entry)  # a load-time option changed: reload
                 entry = None
@@ -235,26 +245,33 @@ class Scheduler:
             num_ctx = entry.load_options.get("num_ctx") or self.default_num_ctx
             num_batch = entry.load_options.get("num_batch") or 512
             template = await trio.to_thread.run_sync(self._template, entry.name)
-            async with Runtime.open(
-                str(entry.path),
-                num_parallel=self.num_parallel,
-                num_ctx=num_ctx,
-                num_batch=num_batch,
-                plugins=self.plugins,
-                template=template,
-            ) as runtime:
-                # The Runtime clamps to the trained context, known only now; this says so when a request asked for more.
+            async with self._open_runtime(entry.path, num_ctx, num_batch, template) as runtime:
+                # The runner clamps to the trained context, known only now; this says so when a request asked for more.
                 effective_num_ctx(
                     entry.load_options.get("num_ctx"), runtime.model.info.context_length, None, self.default_num_ctx,
                     model=entry.name,
                 )
                 entry.runtime = runtime
                 task_status.started()
-                await entry.unload.wait()
+                async with trio.open_nursery() as watch:
+                    exited = getattr(runtime, "exited", None)
+                    if exited is not None:  # a runner process that dies unloads itself
+                        watch.start_soon(_set_after, exited, entry.unload)
+                    await entry.unload.wait()
+                    watch.cancel_scope.cancel()
         finally:
             entry.stopped.set()
             if self.loaded.get(entry.name) is entry:
                 del self.loaded[entry.name]
+
+    def _open_runtime(self, path: Any, num_ctx: int, num_batch: int, template: str | None):
+        """The model's runner: a child process by default (a native crash cannot take the server down), or in-process."""
+        if self.runner == "inprocess":
+            return Runtime.open(
+                str(path), num_parallel=self.num_parallel, num_ctx=num_ctx, num_batch=num_batch, plugins=self.plugins,
+                template=template,
+            )
+        return RunnerProcess.open(path, num_parallel=self.num_parallel, num_ctx=num_ctx, num_batch=num_batch, template=template)
 
     def _template(self, name: str) -> str | None:
         """A Modelfile TEMPLATE to use instead of the file's, when it is a Jinja chat template."""
@@ -293,6 +310,11 @@ class Scheduler:
             await entry.idle.wait()  # let running requests finish
         entry.unload.set()
         await entry.stopped.wait()
+
+
+async def _set_after(event: trio.Event, then: trio.Event) -> None:
+    await event.wait()
+    then.set()
 
 
 def _compatible(loaded: dict, wanted: dict) -> bool:

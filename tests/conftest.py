@@ -1,10 +1,15 @@
 """Shared fixtures: paths to the real models and to the llama.cpp / transformers references."""
 
 import json
+import os
 import pathlib
 
 import numpy as np
 import pytest
+
+# Server tests run models in-process (fast, and test-registered plugins apply); the runner-process
+# tests and the fault tests ask for CORRAL_RUNNER=process themselves.
+os.environ.setdefault("CORRAL_RUNNER", "inprocess")
 
 REFERENCE = pathlib.Path(__file__).resolve().parent / "reference"
 

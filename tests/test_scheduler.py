@@ -42,23 +42,34 @@ def test_keep_alive_rejects_nonsense(value):
         parse_keep_alive(value)
 
 
+async def queue_depth(http) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families((await http.get("/metrics")).text):
+        if family.name == "corral_queue_depth":
+            return sum(sample.value for sample in family.samples)
+    return 0.0
+
+
 async def test_queue_overflow_answers_503_at_once(nursery, seeded_store_root, tmp_path, monkeypatch):
     url = await start_server(nursery, seeded_store_root, tmp_path, monkeypatch, CORRAL_MAX_QUEUE=1, CORRAL_NUM_PARALLEL=1)
-    long = {"model": "smollm2", "prompt": "Tell me a long story.", "stream": False, "options": {"num_predict": 64}}
+    # A raw counting prompt keeps going (a chat answer could end early and leave nobody waiting).
+    long = {"model": "smollm2", "prompt": "1, 2, 3, 4, 5,", "raw": True, "stream": False, "options": {"num_predict": 200}}
     statuses = []
-    async with httpx.AsyncClient(base_url=url, timeout=120) as http:
+    async with httpx.AsyncClient(base_url=url, timeout=300) as http:
         await http.post("/api/generate", json={"model": "smollm2", "prompt": ""})  # loaded before the rush
 
         async def post():
             statuses.append((await http.post("/api/generate", json=long)).status_code)
 
         async with trio.open_nursery() as requests:
-            requests.start_soon(post)  # runs
-            await trio.sleep(0.3)
-            requests.start_soon(post)  # waits for the one slot
-            await trio.sleep(0.3)
-            busy = await http.post("/api/generate", json=long)  # one too many
-        assert busy.status_code == 503 and "server busy" in busy.json()["error"]
+            requests.start_soon(post)  # takes the one slot
+            requests.start_soon(post)  # waits for it
+            with trio.fail_after(60):
+                while await queue_depth(http) < 1:
+                    await trio.sleep(0.05)
+            busy = await http.post("/api/generate", json=long)  # one too many: answered at once
+            assert busy.status_code == 503 and "server busy" in busy.json()["error"]
     assert sorted(statuses) == [200, 200]
 
 

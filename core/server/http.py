@@ -19,6 +19,7 @@ from corral.errors import (
     UnsupportedTensorTypeError,
 )
 from corral.options import InvalidOptionError
+from corral.runner.process import RunnerError
 from corral.scheduler import InvalidKeepAliveError, ServerBusyError
 from corral.template import TemplateError
 
@@ -41,6 +42,7 @@ class ApiError(Exception):
 _STATUS_BY_ERROR: list[tuple[type[BaseException], int]] = [
     (ModelNotFoundError, 404),
     (ServerBusyError, 503),
+    (RunnerError, 500),
     (InvalidModelNameError, 400),
     (InvalidOptionError, 400),
     (InvalidKeepAliveError, 400),

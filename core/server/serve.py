@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 
 import trio
 from hypercorn.config import Config
@@ -55,3 +56,14 @@ async def serve(
         binds = await nursery.start(hypercorn_serve, app, config)
         log.info("corral listening on %s", binds)
         task_status.started(binds[0].removeprefix("http://") if binds else f"{host}:{port}")
+
+
+async def serve_until_signalled(host: str = DEFAULT_HOST, port: int = DEFAULT_PORT) -> None:
+    """`serve` until SIGINT or SIGTERM; then every model is unloaded and every runner process reaped."""
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(serve, host, port)
+            async for received in signals:
+                log.info("received %s: unloading models and stopping", signal.Signals(received).name)
+                nursery.cancel_scope.cancel()
+                break
