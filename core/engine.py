@@ -138,9 +138,9 @@ class LoadedModel:
             raise ValueError("logits() needs at least one token")
         return self.forward(Batch.single(ids, all_logits=True), self.new_cache(len(ids)))
 
-    def chat_ids(self, messages: list[dict]) -> list[int]:
-        """Token ids of `messages` rendered through the chat template, ready for generation."""
-        ids = self.tokenize(self.template.render(messages, add_generation_prompt=True), add_special=True)
+    def chat_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """Token ids of `messages` (and the tools on offer) rendered through the chat template."""
+        ids = self.tokenize(self.template.render(messages, add_generation_prompt=True, tools=tools), add_special=True)
         bos = self.tokenizer.bos_id
         if len(ids) > 1 and ids[0] == ids[1] == bos:
             ids = ids[1:]  # the template wrote BOS itself
@@ -211,8 +211,12 @@ def load_model(
     backend: str = DEFAULT_BACKEND,
     device: str | None = None,
     plugins: Plugins | None = None,
+    num_thread: int = 0,
 ) -> LoadedModel:
-    """Open a GGUF model (a store name such as "smollm2", or a file path) on a backend plugin."""
+    """Open a GGUF model (a store name such as "smollm2", or a file path) on a backend plugin.
+
+    `num_thread` > 0 sets the backend's compute threads (process-wide for the torch backend).
+    """
     plugins = plugins or Plugins()
     path = resolve_model_path(name_or_path)
     start = time.perf_counter()
@@ -229,6 +233,8 @@ def load_model(
     if backend not in backends:
         raise CorralError(f"backend '{backend}' is not installed (installed: {', '.join(sorted(backends))})")
     tensor_backend = backends[backend](device=device, precision=precision)
+    if num_thread > 0:
+        tensor_backend.set_threads(num_thread)
     # The tokenizer (pure Python, ~1 s for a 262k vocabulary) builds while torch converts weights.
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
         tokenizer = pool.submit(Tokenizer.from_gguf, gguf.metadata)

@@ -83,6 +83,9 @@ class Backend(Protocol):
     def load_tensor(self, gguf: GGUFFile, info: TensorInfo, role: str) -> Any:
         """Load one GGUF tensor for `role`; raise UnsupportedTensorTypeError for a type it cannot handle."""
 
+    def set_threads(self, count: int) -> None:
+        """Use `count` CPU threads for compute."""
+
     def new_context(self, batch: Any = None) -> Context:
         """A fresh graph-building context; knowing the batch lets a backend keep each sequence's results batch-invariant."""
 

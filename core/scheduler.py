@@ -245,7 +245,7 @@ class Scheduler:
             num_ctx = entry.load_options.get("num_ctx") or self.default_num_ctx
             num_batch = entry.load_options.get("num_batch") or 512
             template = await trio.to_thread.run_sync(self._template, entry.name)
-            async with self._open_runtime(entry.path, num_ctx, num_batch, template) as runtime:
+            async with self._open_runtime(entry.path, entry.load_options, num_ctx, num_batch, template) as runtime:
                 # The runner clamps to the trained context, known only now; this says so when a request asked for more.
                 effective_num_ctx(
                     entry.load_options.get("num_ctx"), runtime.model.info.context_length, None, self.default_num_ctx,
@@ -264,14 +264,13 @@ class Scheduler:
             if self.loaded.get(entry.name) is entry:
                 del self.loaded[entry.name]
 
-    def _open_runtime(self, path: Any, num_ctx: int, num_batch: int, template: str | None):
+    def _open_runtime(self, path: Any, load_options: dict, num_ctx: int, num_batch: int, template: str | None):
         """The model's runner: a child process by default (a native crash cannot take the server down), or in-process."""
+        sizes = dict(num_parallel=self.num_parallel, num_ctx=num_ctx, num_batch=num_batch)
+        num_thread = load_options.get("num_thread") or 0
         if self.runner == "inprocess":
-            return Runtime.open(
-                str(path), num_parallel=self.num_parallel, num_ctx=num_ctx, num_batch=num_batch, plugins=self.plugins,
-                template=template,
-            )
-        return RunnerProcess.open(path, num_parallel=self.num_parallel, num_ctx=num_ctx, num_batch=num_batch, template=template)
+            return Runtime.open(str(path), **sizes, plugins=self.plugins, template=template, num_thread=num_thread)
+        return RunnerProcess.open(path, **sizes, template=template, num_thread=num_thread)
 
     def _template(self, name: str) -> str | None:
         """A Modelfile TEMPLATE to use instead of the file's, when it is a Jinja chat template."""

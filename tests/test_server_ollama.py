@@ -173,3 +173,13 @@ async def test_client_disconnect_mid_stream_leaves_the_server_serving(server):
                 break  # hang up after the first chunk
         again = await http.post("/api/generate", json={"model": "smollm2", "prompt": "Hi", "stream": False, "options": GREEDY})
     assert again.status_code == 200 and again.json()["done"]
+
+
+async def test_tools_on_a_model_without_tool_support_is_a_400(server):
+    tool = {"type": "function", "function": {"name": "weather", "description": "Weather", "parameters": {"type": "object", "properties": {}}}}
+    body = {"model": "gemma3:270m", "messages": [{"role": "user", "content": "Weather?"}], "tools": [tool], "stream": False}
+    async with httpx.AsyncClient(base_url=server, timeout=60) as http:
+        response = await http.post("/api/chat", json=body)
+        capabilities = (await http.post("/api/show", json={"model": "gemma3:270m"})).json()["capabilities"]
+    assert "tools" not in capabilities
+    assert response.status_code == 400 and "does not support tools" in response.json()["error"]

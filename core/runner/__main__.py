@@ -143,7 +143,7 @@ async def serve(args: argparse.Namespace, template: str | None, handshake: IO[st
     try:
         async with Runtime.open(
             args.model, num_parallel=args.num_parallel, num_ctx=args.num_ctx, num_batch=args.num_batch,
-            precision=args.precision, device=args.device, template=template,
+            precision=args.precision, device=args.device, template=template, num_thread=args.num_thread,
         ) as runtime:
             ready = True
             token = secrets.token_hex(16)
@@ -219,6 +219,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--num-ctx", type=int, default=4096)
     p.add_argument("--num-batch", type=int, default=512)
     p.add_argument("--precision", default="auto")
+    p.add_argument("--num-thread", type=int, default=0, help="CPU threads for compute (0: torch's default)")
     p.add_argument("--device", default=None)
     p.add_argument("--template-file", default=None, help="a Jinja chat template to use instead of the file's")
     return p

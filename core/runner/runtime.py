@@ -107,14 +107,16 @@ class Runtime:
         device: str | None = None,
         plugins: Plugins | None = None,
         template: str | None = None,
+        num_thread: int = 0,
     ) -> AsyncIterator[Runtime]:
         """Load `model` (a store name or a GGUF path) and serve it until the block exits.
 
-        `template` replaces the file's chat template (a Jinja chat template).
+        `template` replaces the file's chat template (a Jinja chat template). `num_thread` > 0 sets
+        the compute threads (process-wide: a runner process has one model, an embedding app decides).
         """
         plugins = plugins or Plugins()
         loaded = await trio.to_thread.run_sync(
-            functools.partial(load_model, model, precision=precision, device=device, plugins=plugins)
+            functools.partial(load_model, model, precision=precision, device=device, plugins=plugins, num_thread=num_thread)
         )
         if template:
             loaded.use_template(template)
@@ -179,7 +181,9 @@ class Runtime:
         opts = self.parse_options(options)
         grammar = compile_format(format)
         num_ctx = self._num_ctx(opts)
-        return self._stream(lambda: self._fit_messages(messages, num_ctx), opts, shift, logprobs, top_logprobs, grammar)
+        return self._stream(
+            lambda: self._fit_messages(messages, num_ctx, tools), opts, shift, logprobs, top_logprobs, grammar
+        )
 
     async def tokenize(self, text: str, add_special: bool = True) -> list[int]:
         """Token ids of `text`."""
@@ -197,16 +201,16 @@ class Runtime:
     def _num_ctx(self, opts: Options) -> int:
         return min(opts.num_ctx or self.num_ctx, self.num_ctx)
 
-    def _fit_messages(self, messages: list[dict], num_ctx: int) -> list[int]:
+    def _fit_messages(self, messages: list[dict], num_ctx: int, tools: list[dict] | None = None) -> list[int]:
         # Drop the oldest turns (never a system message, never the last one) until the prompt fits.
         messages = list(messages)
-        ids = self.model.chat_ids(messages)
+        ids = self.model.chat_ids(messages, tools)
         while len(ids) > num_ctx:
             droppable = [i for i, m in enumerate(messages[:-1]) if m.get("role") != "system"]
             if not droppable:
                 break
             del messages[droppable[0]]
-            ids = self.model.chat_ids(messages)
+            ids = self.model.chat_ids(messages, tools)
         return ids
 
     @contextlib.asynccontextmanager

@@ -63,6 +63,12 @@ async def show():
     return await trio.to_thread.run_sync(_describe, name, verbose)
 
 
+def model_capabilities(store, name: str) -> list[str]:
+    """What a model can do: always "completion"; "tools" when its chat template renders tools."""
+    template = model_defaults(store, name).template or GGUFFile.open(store.model_path(name)).get("tokenizer.chat_template", "")
+    return ["completion"] + (["tools"] if "tools" in template else [])
+
+
 def _describe(name: str, verbose: bool) -> dict:
     store = state().store
     canonical = str(parse_name(name))
@@ -88,7 +94,7 @@ def _describe(name: str, verbose: bool) -> dict:
         "messages": [message.to_json() for message in defaults.messages] or None,
         "details": state().details(path, manifest.model.digest),
         "model_info": model_info,
-        "capabilities": ["completion"] + (["tools"] if "tools" in template else []),
+        "capabilities": model_capabilities(store, canonical),
         "modified_at": datetime.datetime.fromtimestamp(
             store.manifest_path(canonical).stat().st_mtime, datetime.timezone.utc
         ).isoformat().replace("+00:00", "Z"),

@@ -6,6 +6,7 @@ import time
 from typing import Any, AsyncIterator
 
 import quart
+import trio
 
 from corral.grammar import compile_format
 from corral.runner.stream import Chunk
@@ -158,6 +159,8 @@ async def chat():
     if not messages:
         return await _load_or_unload(req, base)
     tools = field(body, "tools", list, None)
+    if tools:
+        await trio.to_thread.run_sync(state().require_capability, req["model"], "tools")
 
     def start(run: generation.Prepared):
         return run.runtime.chat(

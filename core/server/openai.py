@@ -215,6 +215,8 @@ async def chat_completions():
         raise ApiError(400, "top_logprobs requires logprobs to be true")
     req = _request(body, _common(body, None), logprobs, top_logprobs)
     state().scheduler.resolve(model)  # unknown model: 404 before anything loads
+    if tools:
+        await trio.to_thread.run_sync(state().require_capability, model, "tools")
 
     def start(run: generation.Prepared):
         return run.runtime.chat(

@@ -21,6 +21,14 @@ class ServerState:
     nursery: Any = None  # the server's nursery, for work that outlives a request handler (pulls)
     _details: dict[str, dict] = attrs.field(factory=dict)
 
+    def require_capability(self, name: str, capability: str) -> None:
+        """400 unless the model `name` has `capability` (e.g. "tools")."""
+        from corral.server.http import ApiError
+        from corral.server.models import model_capabilities
+
+        if capability not in model_capabilities(self.store, name):
+            raise ApiError(400, f'"{name}" does not support {capability}')
+
     def details(self, path: Any, digest: str) -> dict:
         """Ollama's `details` object for a GGUF file, cached by blob digest."""
         if digest not in self._details:

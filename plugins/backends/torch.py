@@ -111,6 +111,10 @@ class TorchBackend:
             packed, sz = torch_quant.pack_int4_for_cpu(codes, scales, zeros)
         return Int4Weight(packed, sz, out_features, in_features)
 
+    def set_threads(self, count: int) -> None:
+        """Compute threads for CPU kernels (torch's setting is process-wide)."""
+        torch.set_num_threads(count)
+
     def new_context(self, batch: Batch | None = None) -> TorchContext:
         return TorchContext(self, batch)
 
