@@ -11,6 +11,7 @@ import quart
 import trio
 
 import corral
+from corral.discover import system_info
 from corral.gguf import GGUFFile
 from corral.modelfile import format_parameters, model_defaults
 from corral.server.http import ApiError, field, ndjson_response, read_json
@@ -119,7 +120,7 @@ async def ps():
         size = loaded.size or manifest.size
         entry.update(
             size=size,
-            size_vram=0,
+            size_vram=size if system_info().gpus else 0,  # runners use the GPU whenever one is present
             expires_at=loaded.expires_at_datetime.isoformat().replace("+00:00", "Z"),
             context_length=loaded.runtime.num_ctx,
         )
