@@ -34,7 +34,6 @@ log = logging.getLogger(__name__)
 
 DEFAULT_KEEP_ALIVE = 300.0  # seconds
 DEFAULT_NUM_PARALLEL = 4
-DEFAULT_NUM_CTX = 4096
 DEFAULT_MAX_QUEUE = 512
 DEFAULT_MAX_LOADED_MODELS = 3
 RUNNERS = ("process", "inprocess")
