@@ -9,7 +9,7 @@ import importlib.metadata
 import logging
 import os
 import types
-from typing import Any, Callable
+from typing import Any
 
 import attrs
 import pluggy

@@ -21,17 +21,8 @@ import corral.runner.process as process_module
 import corral.runner.runtime as runtime_module
 from corral.engine import load_model
 from corral.options import InvalidOptionError
-from corral.runner.process import (
-    RunnerDiedError,
-    RunnerError,
-    RunnerLoadError,
-    RunnerProcess,
-    chunk_from_json,
-    chunk_to_json,
-    error_from_json,
-    error_to_json,
-    runner_env,
-)
+from corral.runner.process import RunnerDiedError, RunnerLoadError, RunnerProcess, runner_env
+from corral.runner.wire import RunnerError, chunk_from_json, chunk_to_json, error_from_json, error_to_json
 from corral.runner.runtime import Runtime
 from corral.runner.stream import Chunk, TokenLogprob
 from tiny_gguf import write_tiny_llama

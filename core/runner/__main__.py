@@ -26,7 +26,7 @@ import attrs
 import trio
 
 from corral.errors import CorralError
-from corral.runner.process import JsonLines, chunk_to_json, error_to_json
+from corral.runner.wire import JsonLines, chunk_to_json, error_to_json
 from corral.runner.runtime import Runtime
 
 log = logging.getLogger("corral.runner.child")

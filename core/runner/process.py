@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import json
 import logging
 import os
 import signal
@@ -31,10 +30,10 @@ import attrs
 import trio
 
 from corral.engine import ModelInfo
-from corral.errors import CorralError
 from corral.runner.batching import BatchStats
 from corral.runner.runtime import RuntimeStats
-from corral.runner.stream import Chunk, TokenLogprob
+from corral.runner.stream import Chunk
+from corral.runner.wire import JsonLines, RunnerError, chunk_from_json, error_from_json  # noqa: F401 (RunnerError is re-exported)
 
 log = logging.getLogger("corral.runner")
 
@@ -44,7 +43,6 @@ HEALTH_TIMEOUT = 10.0
 HEALTH_FAILURES = 3  # consecutive failed checks before a runner that still runs is killed as hung
 STOP_TIMEOUT = 5.0  # SIGTERM, then this long before SIGKILL
 LOG_TAIL = 20
-MAX_LINE = 256 << 20
 
 # The child gets these variables and no others: its tools (PATH, the venv, locale), corral's own
 # settings, and what torch, CUDA and the math libraries read. Secrets in the server's environment stay there.
@@ -56,10 +54,6 @@ ENV_PREFIXES = (
     "LC_", "CORRAL_", "CUDA_", "NVIDIA_", "TORCH_", "TORCHINDUCTOR_", "PYTORCH_", "TRITON_", "OMP_", "MKL_",
     "OPENBLAS_", "XDG_",
 )
-
-
-class RunnerError(CorralError):
-    """The runner process failed; the request could not complete."""
 
 
 class RunnerLoadError(RunnerError):
@@ -89,89 +83,6 @@ def describe_exit(returncode: int | None) -> str:
         hint = " (the system may have run out of memory)" if returncode == -signal.SIGKILL else ""
         return f"was killed by {name}{hint}"
     return f"exited with code {returncode}"
-
-
-# --- the wire format --------------------------------------------------------------------------
-class JsonLines:
-    """JSON values, one per line, over a Trio byte stream."""
-
-    def __init__(self, stream: Any):
-        self.stream = stream
-        self._buffer = bytearray()
-        self._scanned = 0
-
-    async def receive_line(self) -> bytes | None:
-        """The next line without its newline; None at the end of the stream."""
-        while True:
-            end = self._buffer.find(b"\n", self._scanned)
-            if end >= 0:
-                line = bytes(self._buffer[:end])
-                del self._buffer[: end + 1]
-                self._scanned = 0
-                return line
-            self._scanned = len(self._buffer)
-            if self._scanned > MAX_LINE:
-                raise RunnerError(f"a line from the runner is longer than {MAX_LINE} bytes")
-            data = await self.stream.receive_some(1 << 16)
-            if not data:
-                return None
-            self._buffer += data
-
-    async def receive(self) -> Any:
-        """The next value; None at the end of the stream."""
-        line = await self.receive_line()
-        return None if line is None else json.loads(line)
-
-    async def send(self, value: Any) -> None:
-        await self.stream.send_all(json.dumps(value).encode() + b"\n")
-
-
-def chunk_to_json(chunk: Chunk) -> dict:
-    """A chunk as JSON-ready values."""
-    return attrs.asdict(chunk)
-
-
-_CHUNK_FIELDS = frozenset(field.name for field in attrs.fields(Chunk))
-
-
-def chunk_from_json(data: dict) -> Chunk:
-    """The chunk `chunk_to_json` described."""
-    fields = {key: value for key, value in data.items() if key in _CHUNK_FIELDS}
-    fields["token_ids"] = tuple(fields.get("token_ids", ()))
-    fields["context"] = tuple(fields.get("context", ()))
-    fields["logprobs"] = tuple(
-        TokenLogprob(lp["token"], lp["text"], lp["logprob"], tuple(tuple(top) for top in lp.get("top", ())))
-        for lp in fields.get("logprobs", ())
-    )
-    return Chunk(**fields)
-
-
-def error_to_json(exc: BaseException) -> dict:
-    return {"type": type(exc).__name__, "message": str(exc)}
-
-
-_BUILTIN_ERRORS = {cls.__name__: cls for cls in (ValueError, TypeError, KeyError, RuntimeError, NotImplementedError)}
-
-
-def error_from_json(data: dict) -> Exception:
-    """The child's error as the same type here when it is a corral error (so it maps to the same status)."""
-    name, message = str(data.get("type", "")), str(data.get("message", ""))
-    cls = _corral_errors().get(name) or _BUILTIN_ERRORS.get(name)
-    if cls is not None:
-        try:
-            return cls(message)
-        except TypeError:
-            pass
-    return RunnerError(f"{name}: {message}" if name else message)
-
-
-def _corral_errors() -> dict[str, type[CorralError]]:
-    found, todo = {}, [CorralError]
-    while todo:
-        cls = todo.pop()
-        found.setdefault(cls.__name__, cls)
-        todo.extend(cls.__subclasses__())
-    return found
 
 
 # --- what the server reads ----------------------------------------------------------------------

@@ -14,9 +14,9 @@ import corral
 from corral.discover import system_info
 from corral.gguf import GGUFFile
 from corral.modelfile import format_parameters, model_defaults
-from corral.server.http import ApiError, field, ndjson_response, read_json
+from corral.server.http import field, ndjson_response, read_json
 from corral.server.state import state
-from corral.store import MODEL_MEDIA_TYPE, parse_name
+from corral.store import parse_name
 
 bp = quart.Blueprint("models", __name__)
 

@@ -12,7 +12,7 @@ import json
 import math
 import secrets
 import time
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator
 
 import attrs
 import quart
