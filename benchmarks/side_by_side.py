@@ -39,7 +39,7 @@ llm.eval(ids)
 prefill_s = time.perf_counter() - start
 start = time.perf_counter()
 for _ in range(gen_tokens):
-    token = int(llm.scores[llm.n_tokens - 1].argmax())
+    token = llm.sample(temp=0.0)  # greedy on the last logits
     llm.eval([token])
 decode_s = time.perf_counter() - start
 print(json.dumps({"load_s": load_s, "prefill_tok_s": prompt_tokens / prefill_s, "decode_tok_s": gen_tokens / decode_s,
