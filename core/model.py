@@ -138,9 +138,14 @@ class TensorBinder:
 
 
 class Model:
-    """Base class of architecture plugins."""
+    """Base class of architecture plugins.
+
+    A subclass names its `architecture`, its `Config` and its `Block` (bound once per
+    `blk.{i}.`), and declares its top-level tensors as fields; `from_gguf` does the rest.
+    """
 
     Config: ClassVar[type]
+    Block: ClassVar[type]
     architecture: ClassVar[str]
 
     config: Any
@@ -148,7 +153,10 @@ class Model:
     @classmethod
     def from_gguf(cls, gguf: GGUFFile, backend: Any) -> Model:
         """Build the config from metadata and bind the tensors through the backend."""
-        raise NotImplementedError
+        config = config_from_gguf(cls.Config, gguf, cls.architecture)
+        binder = TensorBinder(gguf, backend)
+        blocks = tuple(binder.bind(cls.Block, f"blk.{i}.") for i in range(config.block_count))
+        return binder.bind(cls, config=config, blocks=blocks)
 
     def cache_layers(self) -> list[CacheLayer]:
         """One CacheLayer per block."""

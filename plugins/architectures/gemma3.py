@@ -11,7 +11,7 @@ import math
 import attrs
 
 from corral.hookspecs import hookimpl
-from corral.model import Batch, CacheLayer, Model, TensorBinder, config_from_gguf, gguf_key, tensor
+from corral.model import Batch, CacheLayer, Model, gguf_key, tensor
 from corral.nn import Embedding, Linear, Logits, RMSNorm
 
 SLIDING_PATTERN = 6  # layers i with i % 6 < 5 are sliding-window layers
@@ -82,19 +82,13 @@ class Gemma3Block:
 class Gemma3Model(Model):
     architecture = "gemma3"
     Config = Gemma3Config
+    Block = Gemma3Block
 
     config: Gemma3Config
     blocks: tuple[Gemma3Block, ...]
     token_embd: Embedding = tensor("token_embd", Embedding)
     output_norm: RMSNorm = tensor("output_norm", RMSNorm)
     output: Logits = tensor("output", Logits, fallback="token_embd")
-
-    @classmethod
-    def from_gguf(cls, gguf, backend):
-        config = config_from_gguf(Gemma3Config, gguf, cls.architecture)
-        binder = TensorBinder(gguf, backend)
-        blocks = tuple(binder.bind(Gemma3Block, f"blk.{i}.") for i in range(config.block_count))
-        return binder.bind(cls, config=config, blocks=blocks)
 
     def cache_layers(self):
         cfg = self.config

@@ -11,7 +11,7 @@ import math
 import attrs
 
 from corral.hookspecs import hookimpl
-from corral.model import Batch, CacheLayer, Model, TensorBinder, config_from_gguf, gguf_key, tensor
+from corral.model import Batch, CacheLayer, Model, gguf_key, tensor
 from corral.nn import Embedding, Linear, Logits, RMSNorm
 
 
@@ -73,19 +73,13 @@ class LlamaBlock:
 class LlamaModel(Model):
     architecture = "llama"
     Config = LlamaConfig
+    Block = LlamaBlock
 
     config: LlamaConfig
     blocks: tuple[LlamaBlock, ...]
     token_embd: Embedding = tensor("token_embd", Embedding)
     output_norm: RMSNorm = tensor("output_norm", RMSNorm)
     output: Logits = tensor("output", Logits, fallback="token_embd")
-
-    @classmethod
-    def from_gguf(cls, gguf, backend):
-        config = config_from_gguf(LlamaConfig, gguf, cls.architecture)
-        binder = TensorBinder(gguf, backend)
-        blocks = tuple(binder.bind(LlamaBlock, f"blk.{i}.") for i in range(config.block_count))
-        return binder.bind(cls, config=config, blocks=blocks)
 
     def cache_layers(self):
         cfg = self.config

@@ -10,7 +10,7 @@ import math
 
 import attrs
 from corral.hookspecs import hookimpl
-from corral.model import Batch, CacheLayer, Model, TensorBinder, config_from_gguf, gguf_key, tensor
+from corral.model import Batch, CacheLayer, Model, gguf_key, tensor
 from corral.nn import Embedding, LayerNorm, Linear, Logits
 
 __version__ = "0.1.0"
@@ -59,6 +59,7 @@ class GPT2Block:
 class GPT2Model(Model):
     architecture = "gpt2"
     Config = GPT2Config
+    Block = GPT2Block
 
     config: GPT2Config
     blocks: tuple[GPT2Block, ...]
@@ -66,13 +67,6 @@ class GPT2Model(Model):
     position_embd: Embedding = tensor("position_embd", Embedding)
     output_norm: LayerNorm = tensor("output_norm", LayerNorm)
     output: Logits = tensor("output", Logits, fallback="token_embd")
-
-    @classmethod
-    def from_gguf(cls, gguf, backend):
-        config = config_from_gguf(GPT2Config, gguf, cls.architecture)
-        binder = TensorBinder(gguf, backend)
-        blocks = tuple(binder.bind(GPT2Block, f"blk.{i}.") for i in range(config.block_count))
-        return binder.bind(cls, config=config, blocks=blocks)
 
     def cache_layers(self):
         cfg = self.config
