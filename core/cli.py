@@ -67,10 +67,11 @@ def serve() -> None:
     import trio
 
     from corral.logs import setup_logging
-    from corral.server.serve import address_from_env, serve_until_signalled
+    from corral.address import address_from_env
+    from corral.server.serve import serve_until_signalled
 
     setup_logging()  # logfmt on stderr (CORRAL_LOG_FORMAT=json for JSON lines), DEBUG with CORRAL_DEBUG=1
-    host, port = address_from_env()
+    _, host, port = address_from_env()
     trio.run(serve_until_signalled, host, port)
 
 

@@ -22,11 +22,10 @@ from typing import Any
 
 import httpx
 
+from corral.address import DEFAULT_HOST, address_from_env
 from corral.errors import CorralError
 from corral.options import InvalidOptionError
 
-DEFAULT_HOST = "127.0.0.1"
-DEFAULT_PORT = 11434
 CONNECT_TIMEOUT = 5.0
 PROBE_TIMEOUT = 1.0
 _UPLOAD_CHUNK = 1 << 20
@@ -47,15 +46,7 @@ class ServerUnreachableError(CorralError):
 
 def base_url_from_env() -> str:
     """The server's URL from CORRAL_HOST (or OLLAMA_HOST); http://127.0.0.1:11434 by default."""
-    # The same rules as corral.server.serve.address_from_env, without importing the server.
-    value = os.environ.get("CORRAL_HOST") or os.environ.get("OLLAMA_HOST") or ""
-    scheme = "https" if value.startswith("https://") else "http"
-    value = value.removeprefix("http://").removeprefix("https://").rstrip("/")
-    host, port = value, DEFAULT_PORT
-    head, sep, tail = value.rpartition(":")
-    if sep and tail.isdigit() and (head.startswith("[") or ":" not in head):
-        host, port = head, int(tail)
-    host = host.strip("[]") or DEFAULT_HOST
+    scheme, host, port = address_from_env()
     # A server bound to every interface is reached over loopback.
     if host in ("0.0.0.0", "::"):
         host = DEFAULT_HOST

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import logging
-import os
 import signal
 
 import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve as hypercorn_serve
 
+from corral.address import DEFAULT_HOST, DEFAULT_PORT
 from corral.discover import describe, system_info
 from corral.logs import log_environment
 from corral.scheduler import Scheduler
@@ -18,20 +18,6 @@ from corral.store import Store, default_store
 
 log = logging.getLogger(__name__)
 
-DEFAULT_HOST = "127.0.0.1"
-DEFAULT_PORT = 11434
-
-
-def address_from_env() -> tuple[str, int]:
-    """CORRAL_HOST (or OLLAMA_HOST) as host and port; 127.0.0.1:11434 by default."""
-    value = os.environ.get("CORRAL_HOST") or os.environ.get("OLLAMA_HOST") or ""
-    value = value.removeprefix("http://").removeprefix("https://").rstrip("/")
-    if not value:
-        return DEFAULT_HOST, DEFAULT_PORT
-    host, sep, port = value.rpartition(":")
-    if not sep:
-        return value, DEFAULT_PORT
-    return (host.strip("[]") or DEFAULT_HOST), int(port)
 
 
 async def serve(
