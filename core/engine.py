@@ -146,6 +146,18 @@ class LoadedModel:
             ids = ids[1:]  # the template wrote BOS itself
         return ids
 
+    def prompt_ids(self, prompt: str, raw: bool = False, system: str | None = None, context: Sequence[int] = ()) -> list[int]:
+        """A generate request's token ids: `context` (earlier ids), then the prompt as a user turn unless `raw`.
+
+        BOS is only added at the start of a conversation, never after a `context`.
+        """
+        if raw:
+            ids = self.tokenize(prompt, add_special=not context)
+        else:
+            system_turn = [{"role": "system", "content": system}] if system else []
+            ids = self.chat_ids(system_turn + [{"role": "user", "content": prompt}])
+        return list(context) + ids
+
     def generate(
         self,
         prompt: str,
@@ -157,11 +169,7 @@ class LoadedModel:
         num_ctx: int | None = None,
     ) -> Iterator[str]:
         """Stream the continuation of `prompt` (templated as a user turn unless `raw`) as text pieces."""
-        if raw:
-            ids = self.tokenize(prompt, add_special=True)
-        else:
-            system_turn = [{"role": "system", "content": system}] if system else []
-            ids = self.chat_ids(system_turn + [{"role": "user", "content": prompt}])
+        ids = self.prompt_ids(prompt, raw=raw, system=system)
         yield from self.generate_ids(ids, max_tokens, temperature, seed, num_ctx)
 
     def generate_ids(

@@ -154,12 +154,7 @@ class Runtime:
         grammar = compile_format(format)
 
         def prompt_ids() -> list[int]:
-            if raw:
-                ids = self.model.tokenize(prompt, add_special=not context)
-            else:
-                turns = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-                ids = self.model.chat_ids(turns)
-            return list(context or []) + ids
+            return self.model.prompt_ids(prompt, raw=raw, system=system, context=context or ())
 
         return self._stream(prompt_ids, opts, shift, logprobs, top_logprobs, grammar)
 

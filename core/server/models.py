@@ -15,7 +15,7 @@ from corral.discover import system_info
 from corral.gguf import GGUFFile
 from corral.modelfile import format_parameters, model_defaults
 from corral.server.http import field, ndjson_response, read_json
-from corral.server.state import state
+from corral.server.state import model_capabilities, state
 from corral.store import parse_name
 
 bp = quart.Blueprint("models", __name__)
@@ -62,12 +62,6 @@ async def show():
     name = field(body, "model", str, None) or field(body, "name", str, required=True)
     verbose = field(body, "verbose", bool, False)
     return await trio.to_thread.run_sync(_describe, name, verbose)
-
-
-def model_capabilities(store, name: str) -> list[str]:
-    """What a model can do: always "completion"; "tools" when its chat template renders tools."""
-    template = model_defaults(store, name).template or GGUFFile.open(store.model_path(name)).get("tokenizer.chat_template", "")
-    return ["completion"] + (["tools"] if "tools" in template else [])
 
 
 def _describe(name: str, verbose: bool) -> dict:

@@ -9,7 +9,9 @@ import quart
 
 from corral.engine import parameter_count, quantization_name
 from corral.gguf import GGUFFile
+from corral.modelfile import model_defaults
 from corral.scheduler import Scheduler
+from corral.server.http import ApiError
 from corral.store import Store
 
 
@@ -23,9 +25,6 @@ class ServerState:
 
     def require_capability(self, name: str, capability: str) -> None:
         """400 unless the model `name` has `capability` (e.g. "tools")."""
-        from corral.server.http import ApiError
-        from corral.server.models import model_capabilities
-
         if capability not in model_capabilities(self.store, name):
             raise ApiError(400, f'"{name}" does not support {capability}')
 
@@ -41,21 +40,24 @@ def state() -> ServerState:
     return quart.current_app.extensions["corral"]
 
 
+def model_capabilities(store: Store, name: str) -> list[str]:
+    """What a model can do: always "completion"; "tools" when its chat template renders tools."""
+    template = model_defaults(store, name).template or GGUFFile.open(store.model_path(name)).get("tokenizer.chat_template", "")
+    return ["completion"] + (["tools"] if "tools" in template else [])
+
+
 def describe_gguf(path: Any) -> dict:
     """format, family, families, parameter_size and quantization_level of a GGUF file."""
     gguf = GGUFFile.open(path)
-    try:
-        arch = gguf.architecture
-        return {
-            "parent_model": "",
-            "format": "gguf",
-            "family": arch,
-            "families": [arch],
-            "parameter_size": format_parameter_size(parameter_count(gguf)),
-            "quantization_level": quantization_name(gguf),
-        }
-    finally:
-        del gguf
+    arch = gguf.architecture
+    return {
+        "parent_model": "",
+        "format": "gguf",
+        "family": arch,
+        "families": [arch],
+        "parameter_size": format_parameter_size(parameter_count(gguf)),
+        "quantization_level": quantization_name(gguf),
+    }
 
 
 _SIZE_SUFFIXES = ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K"))
