@@ -9,6 +9,7 @@ import quart
 import trio
 
 from corral.grammar import compile_format
+from corral.modelfile import model_defaults
 from corral.runner.stream import Chunk
 from corral.scheduler import parse_keep_alive
 from corral.server import generation
@@ -107,7 +108,9 @@ async def _load_or_unload(req: dict, base: dict) -> dict:
     if parse_keep_alive(req["keep_alive"]) == 0:
         await scheduler.unload(req["model"])
         return base | {"done": True, "done_reason": "unload"}
-    async with scheduler.use(req["model"], req["options"], req["keep_alive"]):
+    # Loaded with the same options a generation would use, so the next request does not reload.
+    defaults = await trio.to_thread.run_sync(model_defaults, state().store, req["model"])
+    async with scheduler.use(req["model"], defaults.merge_options(req["options"]), req["keep_alive"]):
         pass
     return base | {"done": True, "done_reason": "load"}
 
