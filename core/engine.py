@@ -123,10 +123,7 @@ class LoadedModel:
 
     def compute(self, batch: Batch, cache: CausalCache) -> Any:
         """One forward pass; the backend's native logits of the batch's output rows."""
-        ctx = self.backend.new_context(batch)
-        view = cache.prepare(batch)
-        (logits,) = ctx.compute(self.model.forward(ctx, batch, view))
-        return logits
+        return self.backend.run(self.model, batch, cache.prepare(batch))
 
     def forward(self, batch: Batch, cache: CausalCache) -> np.ndarray:
         """One forward pass; float32 logits of the batch's output rows."""

@@ -89,6 +89,14 @@ class Backend(Protocol):
     def new_context(self, batch: Any = None) -> Context:
         """A fresh graph-building context; knowing the batch lets a backend keep each sequence's results batch-invariant."""
 
+    def run(self, model: Any, batch: Any, cache: Any) -> Any:
+        """`model.forward` for `batch` over a prepared cache view, computed; the native logits.
+
+        A backend may reuse the graph it recorded for an earlier batch of the same size, so a
+        model's forward must build the same ops for batches of the same size, with batch values
+        entering only through `ctx.input(batch.<field>)`.
+        """
+
     def kv_buffer(self, shape: Sequence[int]) -> Any:
         """A zeroed native buffer for the KV cache."""
 

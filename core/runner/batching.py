@@ -166,8 +166,7 @@ class BatchingActor:
             self._update(plan, emitting, result)
 
     def _execute(self, batch: Batch, view: Any, emitting: list[Sequence]) -> SampleResult:
-        ctx = self.model.backend.new_context(batch)
-        (logits,) = ctx.compute(self.model.model.forward(ctx, batch, view))
+        logits = self.model.backend.run(self.model.model, batch, view)
         if not emitting:  # only prompt chunks: no row to sample (the chain's steps expect at least one)
             return SampleResult([], [], [])
         return self.chain.sample(logits, [s.sampler for s in emitting], [s.top_logprobs for s in emitting])

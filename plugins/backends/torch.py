@@ -21,9 +21,8 @@ from __future__ import annotations
 
 import operator
 import warnings
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
-import attrs
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -34,24 +33,17 @@ from corral.gguf import GGUFFile, TensorInfo
 from corral.model import Batch
 from corral.hookspecs import hookimpl
 from corral.plugins.backends import torch_quant
+from corral.plugins.backends.torch_graph import Graph, GraphCache, Node, Slot
+from corral.plugins.backends.torch_weights import DenseWeight, Int4Weight, Int8Logits, Int8Weight, MappedRows
 
 INT4_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q4_K})
+FLOAT_TYPES = frozenset({Q.F32, Q.F16, Q.BF16})
 PRECISIONS = ("auto", "fp32")
 
 
 @hookimpl
 def register_backends(register):
     register("torch", TorchBackend)
-
-
-@attrs.frozen
-class Int4Weight:
-    """A linear weight kept 4-bit: torch's packed int4 layout plus per-group scales and zeros."""
-
-    packed: torch.Tensor
-    scales_and_zeros: torch.Tensor
-    out_features: int
-    in_features: int
 
 
 def _raw_tensor(gguf: GGUFFile, info: TensorInfo) -> torch.Tensor:
@@ -62,7 +54,7 @@ def _raw_tensor(gguf: GGUFFile, info: TensorInfo) -> torch.Tensor:
 
 
 class TorchBackend:
-    """Loads GGUF tensors into torch layouts and runs recorded graphs."""
+    """Loads GGUF tensors into torch layouts (torch_weights.py) and runs recorded graphs."""
 
     name = "torch"
 
@@ -72,13 +64,13 @@ class TorchBackend:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.precision = precision
         reference = precision == "fp32"
-        dense = torch.bfloat16 if self.device.type == "cuda" and not reference else torch.float32
-        self.dtypes = {"linear": dense, "logits": torch.float32, "embedding": torch.float32, "vector": torch.float32}
+        self.dense_dtype = torch.bfloat16 if self.device.type == "cuda" and not reference else torch.float32
         self.kv_dtype = torch.float32 if reference else torch.bfloat16
-        self._dense: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+        self._dense: dict[str, torch.Tensor] = {}
+        self._graphs = GraphCache()
 
     def load_tensor(self, gguf: GGUFFile, info: TensorInfo, role: str) -> Any:
-        """Convert one GGUF tensor for `role` ("linear", "embedding" or "vector")."""
+        """Convert one GGUF tensor for `role` ("linear", "logits", "embedding" or "vector")."""
         if info.qtype not in torch_quant.DEQUANTIZERS:
             raise UnsupportedTensorTypeError(
                 f"{gguf.path}: tensor '{info.name}' has type {getattr(info.qtype, 'name', info.qtype)}, which the "
@@ -86,15 +78,30 @@ class TorchBackend:
             )
         raw = _raw_tensor(gguf, info)
         cols = info.shape[-1]
+        cpu = self.device.type == "cpu"
+        if role == "vector":
+            return torch_quant.dequantize(raw, info.qtype, cols).reshape(info.shape).to(self.device)
+        if role == "embedding" and cpu:
+            return MappedRows(raw, info.qtype, cols)
         if role == "linear" and self._keeps_int4(info):
             codes, scales, zeros = torch_quant.int4_codes(raw, info.qtype, cols)
             return self._pack_int4(codes, scales, zeros)
-        dtype = self.dtypes[role]
-        # A tied embedding is bound as "embedding" and as "linear": one dense copy serves both.
-        key = (info.name, dtype)
-        if key not in self._dense:
-            self._dense[key] = torch_quant.dequantize(raw, info.qtype, cols, dtype=dtype).reshape(info.shape).to(self.device)
-        return self._dense[key]
+        if self._keeps_int8(info) and cpu:
+            weight = Int8Weight.quantize(self._dequantized(gguf, info, raw, torch.float32, keep=False))
+            return Int8Logits(weight, MappedRows(raw, info.qtype, cols)) if role == "logits" else weight
+        dtype = torch.float32 if role in ("logits", "embedding") else self.dense_dtype
+        dense = self._dequantized(gguf, info, raw, dtype, keep=True)
+        return dense if role == "embedding" else DenseWeight(dense)
+
+    def _dequantized(self, gguf: GGUFFile, info: TensorInfo, raw: torch.Tensor, dtype: torch.dtype, keep: bool) -> torch.Tensor:
+        # A tied embedding is bound as "embedding" and as "logits": one dense copy serves both.
+        key = f"{info.name}:{dtype}"
+        if key in self._dense:
+            return self._dense[key]
+        dense = torch_quant.dequantize(raw, info.qtype, info.shape[-1], dtype=dtype).reshape(info.shape).to(self.device)
+        if keep:
+            self._dense[key] = dense
+        return dense
 
     def _keeps_int4(self, info: TensorInfo) -> bool:
         if self.precision != "auto" or info.qtype not in INT4_TYPES or len(info.shape) != 2:
@@ -102,6 +109,11 @@ class TorchBackend:
         # The packed kernels tile output rows by 16 on CPU and 8 on CUDA; others are dequantized.
         rows_multiple = 8 if self.device.type == "cuda" else 16
         return info.shape[0] % rows_multiple == 0 and info.shape[1] % torch_quant.INT4_GROUP == 0
+
+    def _keeps_int8(self, info: TensorInfo) -> bool:
+        # Quantized files hold at most 8 bits a weight: int8 per row loses little of it. Float
+        # files keep their precision.
+        return self.precision == "auto" and info.qtype not in FLOAT_TYPES and len(info.shape) == 2
 
     def _pack_int4(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> Int4Weight:
         out_features, in_features = codes.shape
@@ -115,8 +127,12 @@ class TorchBackend:
         """Compute threads for CPU kernels (torch's setting is process-wide)."""
         torch.set_num_threads(count)
 
-    def new_context(self, batch: Batch | None = None) -> TorchContext:
-        return TorchContext(self, batch)
+    def new_context(self, batch: Batch | None = None, view: Any = None) -> TorchContext:
+        return TorchContext(self, batch, view)
+
+    def run(self, model: Any, batch: Batch, view: Any) -> torch.Tensor:
+        """The logits of `batch` through `model`; a graph recorded for a batch of this shape is reused."""
+        return self._graphs.run(model, batch, view, self.new_context)
 
     def kv_buffer(self, shape: Sequence[int]) -> torch.Tensor:
         return torch.zeros(tuple(shape), dtype=self.kv_dtype, device=self.device)
@@ -128,57 +144,32 @@ class TorchBackend:
         return value.detach().to(device="cpu", dtype=torch.float32).numpy()
 
     def weight_bytes(self, weight: Any) -> int:
-        if isinstance(weight, Int4Weight):
-            return weight.packed.nbytes + weight.scales_and_zeros.nbytes
         return weight.nbytes
 
 
-class Node:
-    """A recorded op's output; supports `+` and `*` for readable model code."""
+class TorchContext(Graph):
+    """Records the ops of ml.Context as graph nodes; `compute()` runs them."""
 
-    __slots__ = ("ctx", "index")
-
-    def __init__(self, ctx: TorchContext, index: int):
-        self.ctx, self.index = ctx, index
-
-    def __add__(self, other: Node) -> Node:
-        return self.ctx.record(torch.add, self, other)
-
-    def __mul__(self, other: Node) -> Node:
-        return self.ctx.record(torch.mul, self, other)
-
-
-class TorchContext:
-    """Records ops as nodes; `compute()` replays them in order under inference mode."""
-
-    def __init__(self, backend: TorchBackend, batch: Batch | None = None):
+    def __init__(self, backend: TorchBackend, batch: Batch | None = None, view: Any = None):
+        super().__init__(batch, view)
         self.backend = backend
-        self.nodes: list[tuple[Callable, tuple]] = []
-        self.row_runs = _sequence_runs(batch) if batch is not None else None
         self._rope_tables: dict[tuple, Node] = {}
-
-    def record(self, fn: Callable, *args: Any) -> Node:
-        self.nodes.append((fn, args))
-        return Node(self, len(self.nodes) - 1)
-
-    def compute(self, *outputs: Node) -> list[torch.Tensor]:
-        values: list[Any] = []
-        with torch.inference_mode():
-            for fn, args in self.nodes:
-                values.append(fn(*(values[a.index] if isinstance(a, Node) else a for a in args)))
-        return [values[out.index] for out in outputs]
 
     # --- ops -------------------------------------------------------------------------------
     def input(self, values: np.ndarray) -> Node:
-        return self.record(lambda: self.backend.from_numpy(np.asarray(values, dtype=np.int64)))
+        slot = self.batch_slot(values)
+        return self.record(self._input, slot if slot is not None else values)
 
-    def embedding(self, weight: torch.Tensor, ids: Node) -> Node:
+    def _input(self, values: np.ndarray) -> torch.Tensor:
+        return self.backend.from_numpy(np.asarray(values, dtype=np.int64))
+
+    def embedding(self, weight: Any, ids: Node) -> Node:
+        if isinstance(weight, MappedRows):
+            return self.record(MappedRows.rows, weight, ids)
         return self.record(lambda w, i: F.embedding(i, w).float(), weight, ids)
 
     def linear(self, x: Node, weight: Any, bias: Any = None) -> Node:
-        if isinstance(weight, Int4Weight):
-            return self.record(_int4_linear, x, weight, bias)
-        return self.record(_dense_linear, x, weight, bias, self.row_runs)
+        return self.record(_linear, x, weight, bias, Slot("runs") if self.batch is not None else None)
 
     def rms_norm(self, x: Node, weight: torch.Tensor, eps: float) -> Node:
         return self.record(lambda t, w: F.rms_norm(t, (t.shape[-1],), w, eps), x, weight)
@@ -194,7 +185,9 @@ class TorchContext:
         return self.record(_rope, x, self._rope_tables[key], dims, neox)
 
     def attention(self, q: Node, k: Node, v: Node, cache: Any, layer: int, scale: float) -> Node:
-        return self.record(_attention, q, k, v, cache, layer, scale)
+        if cache is not self.view:
+            self.replayable = False
+        return self.record(_attention, q, k, v, Slot("view") if cache is self.view else cache, layer, scale)
 
     def cached_keys(self, keys: Any, cells: Node) -> Node:
         return self.record(_cached_keys, keys, cells)
@@ -222,44 +215,8 @@ class TorchContext:
         return self.record(lambda t: F.gelu(t, approximate=approximate), x)
 
 
-def _sequence_runs(batch: Batch) -> list[tuple[int, int]]:
-    """[start, stop) row ranges of consecutive rows of one sequence."""
-    seqs = batch.sequences
-    cuts = [0] + [i for i in range(1, len(seqs)) if seqs[i] != seqs[i - 1]] + [len(seqs)]
-    return list(zip(cuts[:-1], cuts[1:]))
-
-
-SINGLES_CHUNK = 8
-
-
-def _dense_linear(
-    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, runs: list[tuple[int, int]] | None
-) -> torch.Tensor:
-    # Batch invariance (see the module docstring): a multi-row run of one sequence (a prompt chunk)
-    # gets a call of its own; single rows (decode tokens, selected outputs) go in chunks of 2..8.
-    xd = x.to(w.dtype)
-    if runs is None or sum(stop - start for start, stop in runs) != x.shape[0]:
-        runs = [(i, i + 1) for i in range(x.shape[0])]
-    out = xd.new_empty((x.shape[0], w.shape[0]))
-    singles = [start for start, stop in runs if stop - start == 1]
-    for start, stop in runs:
-        if stop - start > 1:
-            out[start:stop] = F.linear(xd[start:stop], w)
-    for i in range(0, len(singles), SINGLES_CHUNK):
-        rows = singles[i : i + SINGLES_CHUNK]
-        padded = rows if len(rows) > 1 else rows * 2  # one row alone would take the gemv path
-        out[rows] = F.linear(xd[padded], w)[: len(rows)]
-    y = out.float()
-    return y if bias is None else y + bias
-
-
-def _int4_linear(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None) -> torch.Tensor:
-    xb = x.to(torch.bfloat16)
-    if xb.device.type == "cuda":
-        y = torch.ops.aten._weight_int4pack_mm(xb, w.packed, torch_quant.INT4_GROUP, w.scales_and_zeros)
-    else:
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, w.packed, torch_quant.INT4_GROUP, w.scales_and_zeros)
-    y = y.float()
+def _linear(x: torch.Tensor, weight: Any, bias: torch.Tensor | None, runs: list[tuple[int, int]] | None) -> torch.Tensor:
+    y = weight.matmul(x, runs)
     return y if bias is None else y + bias
 
 

@@ -1,0 +1,119 @@
+"""Recorded graphs of the torch backend, and their reuse from one step to the next.
+
+A model's `forward` records a list of (function, arguments) nodes. What changes from step to step
+(the batch's arrays, its per-sequence row runs, the cache view) enters the graph only as `Slot`
+arguments bound when the graph runs, so the graph of a decode step can run again for the next
+step with new bindings instead of being rebuilt by the model (which costs as much Python as
+running it). A graph whose inputs are not the batch's own arrays is used once.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+BATCH_FIELDS = ("inputs", "positions", "sequences", "outputs")
+# Distinct batch shapes kept: decode shapes (1..parallel rows) and the fixed prompt chunks.
+GRAPHS_KEPT = 32
+
+
+class Node:
+    """A recorded op's output; supports `+` and `*` for readable model code."""
+
+    __slots__ = ("graph", "index")
+
+    def __init__(self, graph: Graph, index: int):
+        self.graph, self.index = graph, index
+
+    def __add__(self, other: Node) -> Node:
+        return self.graph.record(torch.add, self, other)
+
+    def __mul__(self, other: Node) -> Node:
+        return self.graph.record(torch.mul, self, other)
+
+
+class Slot:
+    """An argument bound anew each time the graph runs: a batch array, the row runs or the cache view."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str):
+        self.name = name
+
+
+class Graph:
+    """Nodes in recording order; `compute()` runs them eagerly under inference mode."""
+
+    def __init__(self, batch: Any = None, view: Any = None):
+        self.nodes: list[tuple[Callable, tuple]] = []
+        self.bindings: dict[str, Any] = {}
+        self.replayable = batch is not None
+        self.batch, self.view = batch, view
+        if batch is not None:
+            self.bind(batch, view)
+
+    def record(self, fn: Callable, *args: Any) -> Node:
+        self.nodes.append((fn, args))
+        return Node(self, len(self.nodes) - 1)
+
+    def bind(self, batch: Any, view: Any) -> None:
+        """Point the graph's slots at another batch of the same shape."""
+        self.bindings = {name: getattr(batch, name) for name in BATCH_FIELDS}
+        self.bindings["runs"] = sequence_runs(batch.sequences)
+        self.bindings["view"] = view
+        self.batch, self.view = batch, view
+
+    def batch_slot(self, values: np.ndarray) -> Slot | None:
+        """The slot of `values` when it is one of the batch's arrays; None (and no reuse) otherwise."""
+        for name in BATCH_FIELDS:
+            if self.batch is not None and values is getattr(self.batch, name):
+                return Slot(name)
+        self.replayable = False
+        return None
+
+    def compute(self, *outputs: Node) -> list[torch.Tensor]:
+        values: list[Any] = []
+        bound = self.bindings
+        with torch.inference_mode():
+            for fn, args in self.nodes:
+                values.append(
+                    fn(*[values[a.index] if type(a) is Node else bound[a.name] if type(a) is Slot else a for a in args])
+                )
+        return [values[out.index] for out in outputs]
+
+
+def sequence_runs(sequences: np.ndarray) -> list[tuple[int, int]]:
+    """[start, stop) row ranges of consecutive rows of one sequence."""
+    if len(sequences) == 0:
+        return []
+    cuts = (np.flatnonzero(sequences[1:] != sequences[:-1]) + 1).tolist()
+    bounds = [0, *cuts, len(sequences)]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+class GraphCache:
+    """Recorded graphs by batch shape, least recently used dropped first."""
+
+    def __init__(self, size: int = GRAPHS_KEPT):
+        self.size = size
+        self._graphs: collections.OrderedDict[tuple, tuple[Any, Graph, Node]] = collections.OrderedDict()
+
+    def run(self, model: Any, batch: Any, view: Any, new_graph: Callable[[Any, Any], Graph]) -> torch.Tensor:
+        """The model's logits for `batch`, from a reused graph when one of this shape was recorded."""
+        key = (len(batch.inputs), len(batch.outputs))
+        entry = self._graphs.get(key)
+        if entry is not None and entry[0] is model:
+            self._graphs.move_to_end(key)
+            _, graph, out = entry
+            graph.bind(batch, view)
+            return graph.compute(out)[0]
+        graph = new_graph(batch, view)
+        out = model.forward(graph, batch, view)
+        if graph.replayable:
+            self._graphs[key] = (model, graph, out)
+            while len(self._graphs) > self.size:
+                self._graphs.popitem(last=False)
+        return graph.compute(out)[0]

@@ -1,0 +1,189 @@
+"""How the torch backend holds a weight, and the one matmul each layout runs.
+
+Every layout's `matmul(x, runs)` takes float32 activations [rows, in] and the batch's per-sequence
+row runs, and returns float32 [rows, out] whose every row has the same bits whatever else is in
+the batch (batch invariance, see torch.py):
+
+* `Int4Weight`  Q4_0/Q4_1/Q4_K linears, 4-bit through torch's packed int4 kernel (bf16 activations).
+* `Int8Weight`  other quantized linears (Q5_x, Q6_K, Q8_0, ...): one int8 per weight and one scale
+                per output row, through `_weight_int8pack_mm` (a quarter of float32's bytes, which is
+                what decode reads per token). Long prompt runs dequantize to float32 for one GEMM.
+* `DenseWeight` float weights (F32/F16/BF16 files, the reference precision, CUDA).
+* `MappedRows`  embeddings: rows dequantized exactly from the file's memory map when looked up, so
+                a 262k-row table costs no resident memory.
+* `Int8Logits`  the vocabulary projection: int8 for all logits, then the top candidates of each row
+                recomputed exactly from the file, so argmax and the probabilities that matter
+                carry no requantization error (int8 alone is off by up to ~1 logit).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import attrs
+import torch
+import torch.nn.functional as F
+
+from corral.plugins.backends import torch_quant
+
+Runs = Sequence[tuple[int, int]] | None
+
+# Dense BLAS picks its algorithm by the row count: single rows run in chunks of 2..8, which
+# measured bit-identical for any chunk size (one row alone would take the gemv path).
+SINGLES_CHUNK = 8
+# A run of at least this many rows of one sequence (a prompt chunk) dequantizes an int8 weight to
+# float32 for one GEMM: the int8 kernel's cost grows linearly with rows, the GEMM's does not.
+INT8_DEQUANT_ROWS = 32
+# Logits recomputed exactly per row: the true best token is always among the int8 top 32.
+RESCORE_TOP = 32
+
+
+def _rows_or_all(runs: Runs, rows: int) -> list[tuple[int, int]]:
+    if runs is None or sum(stop - start for start, stop in runs) != rows:
+        return [(i, i + 1) for i in range(rows)]
+    return list(runs)
+
+
+@attrs.frozen
+class DenseWeight:
+    """A float weight [out, in] (float32 on CPU, bf16 on CUDA)."""
+
+    weight: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.nbytes
+
+    def matmul(self, x: torch.Tensor, runs: Runs) -> torch.Tensor:
+        # A multi-row run of one sequence (a prompt chunk) gets a call of its own; single rows
+        # (decode tokens, selected outputs) go in chunks of 2..8.
+        w = self.weight
+        xd = x.to(w.dtype)
+        runs = _rows_or_all(runs, x.shape[0])
+        if len(runs) == 1 and runs[0][1] - runs[0][0] > 1:
+            return F.linear(xd, w).float()
+        out = xd.new_empty((x.shape[0], w.shape[0]))
+        singles = [start for start, stop in runs if stop - start == 1]
+        for start, stop in runs:
+            if stop - start > 1:
+                out[start:stop] = F.linear(xd[start:stop], w)
+        for i in range(0, len(singles), SINGLES_CHUNK):
+            rows = singles[i : i + SINGLES_CHUNK]
+            padded = rows if len(rows) > 1 else rows * 2
+            out[rows] = F.linear(xd[padded], w)[: len(rows)]
+        return out.float()
+
+
+@attrs.frozen
+class Int4Weight:
+    """A linear weight kept 4-bit: torch's packed int4 layout plus per-group scales and zeros."""
+
+    packed: torch.Tensor
+    scales_and_zeros: torch.Tensor
+    out_features: int
+    in_features: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes + self.scales_and_zeros.nbytes
+
+    def matmul(self, x: torch.Tensor, runs: Runs = None) -> torch.Tensor:
+        # The kernel computes each row on its own: exact under batching as it is.
+        xb = x.to(torch.bfloat16)
+        group = torch_quant.INT4_GROUP
+        if xb.device.type == "cuda":
+            y = torch.ops.aten._weight_int4pack_mm(xb, self.packed, group, self.scales_and_zeros)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.packed, group, self.scales_and_zeros)
+        return y.float()
+
+
+@attrs.frozen
+class Int8Weight:
+    """w = q * scale[row]: int8 codes [out, in] and a bf16 scale per output row."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor  # bf16 [out], the dtype the kernel takes with bf16 activations
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor) -> Int8Weight:
+        """Round a float weight to int8 per output row; the scale is chosen exact in bf16."""
+        amax = weight.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny)
+        scales = _bf16_at_least(amax / 127)
+        codes = torch.round(weight / scales.float()[:, None]).clamp_(-127, 127).to(torch.int8)
+        return cls(codes, scales)
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.nbytes + self.scales.nbytes
+
+    def dequantized(self) -> torch.Tensor:
+        return self.codes.float() * self.scales.float()[:, None]
+
+    def matmul(self, x: torch.Tensor, runs: Runs = None) -> torch.Tensor:
+        runs = _rows_or_all(runs, x.shape[0])
+        long = [(start, stop) for start, stop in runs if stop - start >= INT8_DEQUANT_ROWS]
+        if not long:
+            return self._kernel(x)
+        out = x.new_empty((x.shape[0], self.codes.shape[0]))
+        weight = self.dequantized()
+        for start, stop in long:
+            out[start:stop] = F.linear(x[start:stop], weight)
+        short = [i for start, stop in runs if stop - start < INT8_DEQUANT_ROWS for i in range(start, stop)]
+        if short:
+            out[short] = self._kernel(x[short])
+        return out
+
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        # Row-exact: every row is computed alone, whatever the batch.
+        return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.codes, self.scales).float()
+
+
+def _bf16_at_least(values: torch.Tensor) -> torch.Tensor:
+    """The smallest bf16 >= each value, so that |w| / scale never exceeds 127."""
+    rounded = values.to(torch.bfloat16)
+    low = rounded.float() < values
+    return torch.where(low, torch.nextafter(rounded, torch.full_like(rounded, float("inf"))), rounded)
+
+
+@attrs.frozen
+class MappedRows:
+    """A table read straight from the GGUF file's bytes [rows, row_bytes]; rows dequantize on use."""
+
+    raw: torch.Tensor  # uint8 over the file's read-only memory map; never written
+    qtype: Any
+    cols: int
+
+    @property
+    def nbytes(self) -> int:
+        return 0  # file-backed pages, loaded by the kernel on first touch and shared
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.raw.shape[0], self.cols)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """float32 [len(ids), cols], exact."""
+        return torch_quant.dequantize(self.raw.index_select(0, ids.reshape(-1).cpu()), self.qtype, self.cols).to(ids.device)
+
+
+@attrs.frozen
+class Int8Logits:
+    """The vocabulary projection: int8 logits, then each row's top candidates recomputed exactly."""
+
+    approx: Int8Weight
+    exact: MappedRows
+
+    @property
+    def nbytes(self) -> int:
+        return self.approx.nbytes
+
+    def matmul(self, x: torch.Tensor, runs: Runs = None) -> torch.Tensor:
+        logits = self.approx._kernel(x)
+        if not len(x):
+            return logits
+        top = logits.topk(min(RESCORE_TOP, logits.shape[1]), dim=-1).indices  # [rows, k]
+        weights = self.exact.rows(top).view(*top.shape, self.exact.cols)  # [rows, k, in]
+        # A product and a sum over `in` per candidate: the same bits whatever the batch.
+        logits.scatter_(1, top, (weights * x[:, None, :]).sum(-1))
+        return logits
