@@ -1,0 +1,274 @@
+"""The torch backend's weight layouts (torch_weights.py) and its reuse of recorded graphs (torch_graph.py), on CPU."""
+
+from __future__ import annotations
+
+import attrs
+import gguf
+import numpy as np
+import pytest
+import torch
+from tiny_gguf import VOCAB_SIZE, write_tiny_llama
+
+from corral.gguf import GGUFFile
+from corral.kvcache import CausalCache
+from corral.model import Batch
+from corral.plugins.backends import torch_quant
+from corral.plugins.backends.torch import TorchBackend
+from corral.plugins.backends.torch_graph import sequence_runs
+from corral.plugins.backends.torch_weights import (
+    INT8_DEQUANT_ROWS, RESCORE_TOP, DenseWeight, Int4Weight, Int8Logits, Int8Weight, MappedRows,
+)
+from corral.registry import Plugins
+
+Q = gguf.GGMLQuantizationType
+TOKENS = [int(t) for t in np.random.default_rng(7).integers(0, VOCAB_SIZE, 9)]
+
+
+def randn(*shape: int, seed: int = 0, std: float = 1.0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * std
+
+
+def quantized_rows(qtype: Q, rows: int, cols: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Raw bytes [rows, row_bytes] of random weights quantized by gguf, and their exact float32 values."""
+    values = np.random.default_rng(seed).normal(0, 0.05, (rows, cols)).astype(np.float32)
+    raw = torch.from_numpy(gguf.quants.quantize(values, qtype))
+    return raw, torch_quant.dequantize(raw, qtype, cols)
+
+
+@pytest.fixture
+def weight() -> torch.Tensor:
+    w = randn(24, 64, std=0.05)
+    w[3] *= 1000  # rows of very different ranges
+    w[5] = 0  # an all-zero row
+    return w
+
+
+# --- Int8Weight -------------------------------------------------------------------------------------
+def test_int8_quantize_scales_are_exact_bf16_and_codes_fit_in_int8(weight):
+    q = Int8Weight.quantize(weight)
+    assert q.codes.dtype == torch.int8 and q.scales.dtype == torch.bfloat16
+    assert torch.equal(q.scales.float().to(torch.bfloat16).float(), q.scales.float())
+    assert (q.scales.float() > 0).all()
+    assert q.codes.int().abs().max() <= 127
+
+
+def test_int8_dequantized_is_within_half_a_scale_of_the_weight(weight):
+    q = Int8Weight.quantize(weight)
+    error = (q.dequantized() - weight).abs()
+    assert (error <= q.scales.float()[:, None] / 2).all()
+    assert torch.equal(q.dequantized()[5], torch.zeros(64))
+
+
+def test_int8_matmul_rows_are_the_same_alone_and_batched(weight):
+    q = Int8Weight.quantize(weight)
+    x = randn(7, 64, seed=1)
+    for runs in ([(i, i + 1) for i in range(7)], None):
+        batched = q.matmul(x, runs)
+        for i in range(7):
+            assert torch.equal(q.matmul(x[i : i + 1], [(0, 1)])[0], batched[i])
+
+
+def test_int8_matmul_single_rows_next_to_a_long_run_are_the_same_as_alone(weight):
+    q = Int8Weight.quantize(weight)
+    n = INT8_DEQUANT_ROWS
+    x = randn(n + 2, 64, seed=2)
+    batched = q.matmul(x, [(0, n), (n, n + 1), (n + 1, n + 2)])
+    assert torch.equal(batched[:n], q.matmul(x[:n], [(0, n)]))
+    for i in (n, n + 1):
+        assert torch.equal(batched[i], q.matmul(x[i : i + 1], [(0, 1)])[0])
+
+
+@pytest.mark.parametrize("rows", [INT8_DEQUANT_ROWS, INT8_DEQUANT_ROWS + 9])
+def test_int8_matmul_of_a_long_run_matches_the_dequantized_weight(weight, rows):
+    q = Int8Weight.quantize(weight)
+    x = randn(rows, 64, seed=3)
+    expected = x @ q.dequantized().T
+    got = q.matmul(x, [(0, rows)])
+    assert got.shape == (rows, 24)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-2 * expected.abs().max().item())
+
+
+def test_int8_matmul_of_single_rows_matches_the_dequantized_weight_to_bf16_rounding(weight):
+    q = Int8Weight.quantize(weight)
+    x = randn(5, 64, seed=4)
+    expected = x @ q.dequantized().T
+    torch.testing.assert_close(q.matmul(x, None).float(), expected, rtol=0, atol=1e-2 * expected.abs().max().item())
+
+
+# --- MappedRows and Int8Logits ----------------------------------------------------------------------
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0], ids=lambda q: q.name)
+def test_mapped_rows_equal_dequantize_of_the_same_raw_rows(qtype):
+    raw, _ = quantized_rows(qtype, rows=10, cols=64)
+    table = MappedRows(raw, qtype, 64)
+    ids = torch.tensor([[3, 0], [3, 9]])
+    assert table.shape == (10, 64) and table.nbytes == 0
+    assert torch.equal(table.rows(ids), torch_quant.dequantize(raw[[3, 0, 3, 9]], qtype, 64))
+
+
+@pytest.fixture
+def logits_layer() -> tuple[Int8Logits, torch.Tensor]:
+    raw, exact = quantized_rows(Q.Q8_0, rows=256, cols=64, seed=5)
+    return Int8Logits(Int8Weight.quantize(exact), MappedRows(raw, Q.Q8_0, 64)), exact
+
+
+def test_int8_logits_rescores_the_top_candidates_exactly(logits_layer):
+    layer, exact = logits_layer
+    x = randn(6, 64, seed=6)
+    got, expected = layer.matmul(x), x @ exact.T
+    top = layer.approx._kernel(x).topk(RESCORE_TOP, dim=-1).indices
+    torch.testing.assert_close(got.gather(1, top), expected.gather(1, top), rtol=1e-5, atol=1e-5)
+    assert torch.equal(got.argmax(-1), expected.argmax(-1))
+
+
+def test_int8_logits_rows_are_the_same_alone_and_batched(logits_layer):
+    layer, _ = logits_layer
+    x = randn(6, 64, seed=7)
+    batched = layer.matmul(x)
+    for i in range(6):
+        assert torch.equal(layer.matmul(x[i : i + 1])[0], batched[i])
+
+
+def test_int8_logits_of_no_rows_is_empty(logits_layer):
+    layer, _ = logits_layer
+    got = layer.matmul(torch.zeros(0, 64))
+    assert got.shape == (0, 256) and got.dtype == torch.float32
+
+
+# --- TorchBackend.load_tensor -----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def weights_file(tmp_path_factory) -> GGUFFile:
+    path = tmp_path_factory.mktemp("weights") / "weights.gguf"
+    rng = np.random.default_rng(0)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for name, qtype, shape in [("q4", Q.Q4_0, (32, 64)), ("q4_8rows", Q.Q4_0, (8, 64)), ("q8", Q.Q8_0, (16, 64)), ("f32", Q.F32, (16, 64))]:
+        values = rng.normal(0, 0.05, shape).astype(np.float32)
+        data = values if qtype == Q.F32 else gguf.quants.quantize(values, qtype)
+        writer.add_tensor(name, data, raw_dtype=None if qtype == Q.F32 else qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return GGUFFile.open(path)
+
+
+@pytest.mark.parametrize(
+    ("precision", "name", "role", "layout"),
+    [
+        ("auto", "q4", "linear", Int4Weight),
+        ("auto", "q4_8rows", "linear", Int8Weight),  # too few rows for the CPU int4 kernel
+        ("auto", "q8", "linear", Int8Weight),
+        ("auto", "q8", "logits", Int8Logits),
+        ("auto", "q8", "embedding", MappedRows),
+        ("auto", "f32", "linear", DenseWeight),
+        ("fp32", "q8", "linear", DenseWeight),
+        ("fp32", "q4", "linear", DenseWeight),
+    ],
+)
+def test_load_tensor_picks_the_layout_for_the_role(weights_file, precision, name, role, layout):
+    backend = TorchBackend(device="cpu", precision=precision)
+    assert type(backend.load_tensor(weights_file, weights_file.tensors[name], role)) is layout
+
+
+def test_load_tensor_fp32_linear_is_the_exact_dequantized_weight(weights_file):
+    info = weights_file.tensors["q8"]
+    loaded = TorchBackend(device="cpu", precision="fp32").load_tensor(weights_file, info, "linear")
+    expected = torch_quant.dequantize(torch.from_numpy(weights_file.raw("q8")), Q.Q8_0, 64)
+    assert loaded.weight.dtype == torch.float32 and torch.equal(loaded.weight, expected)
+
+
+# --- Graph reuse ------------------------------------------------------------------------------------
+class Counting:
+    """A model whose forward calls are counted; `copy_inputs` feeds the graph a copy of the batch's tokens."""
+
+    def __init__(self, model, copy_inputs: bool = False):
+        self.model, self.copy_inputs, self.calls = model, copy_inputs, 0
+
+    def cache_layers(self):
+        return self.model.cache_layers()
+
+    def forward(self, ctx, batch, view):
+        self.calls += 1
+        if self.copy_inputs:
+            batch = attrs.evolve(batch, inputs=batch.inputs.copy())
+        return self.model.forward(ctx, batch, view)
+
+
+@pytest.fixture(scope="module")
+def llama_path(tmp_path_factory) -> str:
+    # A Q8_0 tied embedding: MappedRows lookups and Int8Logits run in the graph too.
+    return write_tiny_llama(tmp_path_factory.mktemp("llama") / "tiny.gguf", tensor_types={"token_embd.weight": Q.Q8_0})
+
+
+def load(path: str, precision: str):
+    backend = TorchBackend(device="cpu", precision=precision)
+    return backend, Plugins().architectures()["llama"].from_gguf(GGUFFile.open(path), backend)
+
+
+def steps() -> list[Batch]:
+    """A 5-token prompt, then one decode step per following token."""
+    return [Batch.single(TOKENS[:5])] + [Batch.single([t], start=i) for i, t in enumerate(TOKENS[5:], start=5)]
+
+
+def run_fresh(path: str, precision: str) -> list[torch.Tensor]:
+    """Each step through a freshly recorded context, on a backend of its own."""
+    backend, model = load(path, precision)
+    cache, out = CausalCache(backend, model.cache_layers(), 32), []
+    for batch in steps():
+        view = cache.prepare(batch)
+        ctx = backend.new_context(batch, view)
+        out.extend(ctx.compute(model.forward(ctx, batch, view)))
+    return out
+
+
+def run_reused(path: str, precision: str, copy_inputs: bool = False):
+    """Each step through backend.run (graphs reused by shape): the logits, the counting model, the backend."""
+    backend, model = load(path, precision)
+    counting = Counting(model, copy_inputs)
+    cache = CausalCache(backend, model.cache_layers(), 32)
+    return [backend.run(counting, batch, cache.prepare(batch)) for batch in steps()], counting, backend
+
+
+@pytest.mark.parametrize("precision", ["auto", "fp32"])
+def test_reused_decode_graph_gives_the_same_bits_as_fresh_recordings(llama_path, precision):
+    reused, _, _ = run_reused(llama_path, precision)
+    fresh = run_fresh(llama_path, precision)
+    assert len(reused) == len(fresh) == 5
+    for got, expected in zip(reused, fresh):
+        assert got.shape == (1, VOCAB_SIZE) and torch.equal(got, expected)
+
+
+def test_decode_steps_of_one_shape_record_the_model_once(llama_path):
+    _, counting, backend = run_reused(llama_path, "auto")
+    assert counting.calls == 2  # the prompt, then the first decode step
+    assert set(backend._graphs._graphs) == {(5, 1), (1, 1)}
+
+
+def test_graph_fed_arrays_other_than_the_batchs_is_not_kept(llama_path):
+    reused, counting, backend = run_reused(llama_path, "auto", copy_inputs=True)
+    assert counting.calls == 5 and not backend._graphs._graphs
+    for got, expected in zip(reused, run_fresh(llama_path, "auto")):
+        assert torch.equal(got, expected)
+
+
+def test_graph_fed_a_copy_of_the_batchs_tokens_is_not_replayable(llama_path):
+    backend, model = load(llama_path, "auto")
+    batch = Batch.single(TOKENS[:3])
+    view = CausalCache(backend, model.cache_layers(), 32).prepare(batch)
+    ctx = backend.new_context(batch, view)
+    Counting(model, copy_inputs=True).forward(ctx, batch, view)
+    assert not ctx.replayable
+    ctx = backend.new_context(batch, view)
+    model.forward(ctx, batch, view)
+    assert ctx.replayable
+
+
+# --- sequence_runs ----------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("sequences", "runs"),
+    [
+        ([], []), ([4], [(0, 1)]), ([2, 2, 2], [(0, 3)]), ([0, 1, 2], [(0, 1), (1, 2), (2, 3)]),
+        ([1, 1, 0, 0, 0, 1], [(0, 2), (2, 5), (5, 6)]), ([5, 7, 5, 5], [(0, 1), (1, 2), (2, 4)]),
+    ],
+)
+def test_sequence_runs_splits_rows_where_the_sequence_changes(sequences, runs):
+    assert sequence_runs(np.array(sequences, dtype=np.int64)) == runs
