@@ -172,16 +172,16 @@ class TorchContext(Graph):
         return self.record(_linear, x, weight, bias, Slot("runs") if self.batch is not None else None)
 
     def rms_norm(self, x: Node, weight: torch.Tensor, eps: float) -> Node:
-        return self.record(lambda t, w: F.rms_norm(t, (t.shape[-1],), w, eps), x, weight)
+        return self.record(lambda t, w: F.rms_norm(t.float(), (t.shape[-1],), w, eps), x, weight)
 
     def layer_norm(self, x: Node, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> Node:
-        return self.record(lambda t, w, b: F.layer_norm(t, (t.shape[-1],), w, b, eps), x, weight, bias)
+        return self.record(lambda t, w, b: F.layer_norm(t.float(), (t.shape[-1],), w, b, eps), x, weight, bias)
 
     def rope(self, x: Node, positions: Node, *, dims: int, base: float, scale: float = 1.0, neox: bool) -> Node:
         # Every layer rotates by the same positions: build each cos/sin table once per graph.
-        key = (positions.index, dims, base, scale)
+        key = (positions.index, dims, base, scale, neox)
         if key not in self._rope_tables:
-            self._rope_tables[key] = self.record(_rope_table, positions, dims, base, scale)
+            self._rope_tables[key] = self.record(_rope_table, positions, dims, base, scale, neox)
         return self.record(_rope, x, self._rope_tables[key], dims, neox)
 
     def attention(self, q: Node, k: Node, v: Node, cache: Any, layer: int, scale: float) -> Node:
@@ -220,24 +220,25 @@ def _linear(x: torch.Tensor, weight: Any, bias: torch.Tensor | None, runs: list[
     return y if bias is None else y + bias
 
 
-def _rope_table(positions: torch.Tensor, dims: int, base: float, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _rope_table(positions: torch.Tensor, dims: int, base: float, scale: float, neox: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and signed sin [n, 1, dims] laid out like the features they multiply (halves or pairs)."""
     inv_freq = 1.0 / (base ** (torch.arange(0, dims, 2, device=positions.device, dtype=torch.float32) / dims))
     angles = (positions.float() * scale)[:, None] * inv_freq[None, :]  # [n, dims/2]
-    return angles.cos()[:, None, :], angles.sin()[:, None, :]
+    cos, sin = angles.cos(), angles.sin()
+    if neox:
+        return torch.cat((cos, cos), -1)[:, None, :], torch.cat((-sin, sin), -1)[:, None, :]
+    return torch.stack((cos, cos), -1).flatten(-2)[:, None, :], torch.stack((-sin, sin), -1).flatten(-2)[:, None, :]
 
 
 def _rope(x: torch.Tensor, table: tuple[torch.Tensor, torch.Tensor], dims: int, neox: bool) -> torch.Tensor:
-    # x: [n, heads, head_dim]; only the first `dims` features rotate.
+    # x: [n, heads, head_dim]; only the first `dims` features rotate. A rotation of (a, b) is
+    # (a cos - b sin, b cos + a sin): x * cos + swapped(x) * signed sin, three kernels.
     cos, sin = table
-    rot, rest = x[..., :dims], x[..., dims:]
-    if neox:
-        a, b = rot[..., : dims // 2], rot[..., dims // 2 :]
-        out = torch.cat((a * cos - b * sin, a * sin + b * cos), dim=-1)
-    else:
-        pairs = rot.unflatten(-1, (dims // 2, 2))
-        a, b = pairs[..., 0], pairs[..., 1]
-        out = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
-    return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
+    partial = dims < x.shape[-1]
+    rot = x[..., :dims] if partial else x
+    swapped = rot.roll(dims // 2, dims=-1) if neox else rot.unflatten(-1, (dims // 2, 2)).flip(-1).flatten(-2)
+    out = torch.addcmul(rot * cos, swapped, sin)
+    return torch.cat((out, x[..., dims:].float()), dim=-1) if partial else out
 
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Any, layer: int, scale: float) -> torch.Tensor:
@@ -246,19 +247,25 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Any, la
     keys.index_copy_(1, slots, k.transpose(0, 1).to(keys.dtype))
     values.index_copy_(1, slots, v.transpose(0, 1).to(values.dtype))
     gqa = q.shape[1] != k.shape[1]
-    out = q.new_empty((q.shape[0], q.shape[1], values.shape[-1]))
+    queries = q.to(keys.dtype).transpose(0, 1)  # [heads, n, dim]
+    groups = cache.layer_groups(layer)
     # One call per sequence over its own cells only: its result never depends on the batch.
-    for group in cache.layer_groups(layer):
-        end = group.start + group.used
-        attended = F.scaled_dot_product_attention(
-            q[group.rows].transpose(0, 1).unsqueeze(0).to(keys.dtype),
-            keys[:, group.start : end].unsqueeze(0),
-            values[:, group.start : end].unsqueeze(0),
+    attended = [
+        F.scaled_dot_product_attention(
+            queries[:, group.rows].unsqueeze(0),
+            keys[:, group.start : group.start + group.used].unsqueeze(0),
+            values[:, group.start : group.start + group.used].unsqueeze(0),
             attn_mask=group.mask,
             scale=scale,
             enable_gqa=gqa,
-        )
-        out[group.rows] = attended[0].transpose(0, 1).to(out.dtype)
+        )[0]
+        for group in groups
+    ]
+    if len(groups) == 1:
+        return attended[0].transpose(0, 1).reshape(q.shape[0], -1)
+    out = queries.new_empty((q.shape[0], q.shape[1], values.shape[-1]))
+    for group, result in zip(groups, attended):
+        out[group.rows] = result.transpose(0, 1)
     return out.reshape(q.shape[0], -1)
 
 

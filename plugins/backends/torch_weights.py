@@ -1,8 +1,9 @@
 """How the torch backend holds a weight, and the one matmul each layout runs.
 
-Every layout's `matmul(x, runs)` takes float32 activations [rows, in] and the batch's per-sequence
-row runs, and returns float32 [rows, out] whose every row has the same bits whatever else is in
-the batch (batch invariance, see torch.py):
+Every layout's `matmul(x, runs)` takes activations [rows, in] and the batch's per-sequence row
+runs, and returns [rows, out] (float32, or bf16 straight from the int kernels: the next op promotes
+it or, being another int kernel, takes it as is) whose every row has the same bits whatever else is
+in the batch (batch invariance, see torch.py):
 
 * `Int4Weight`  Q4_0/Q4_1/Q4_K linears, 4-bit through torch's packed int4 kernel (bf16 activations).
 * `Int8Weight`  other quantized linears (Q5_x, Q6_K, Q8_0, ...): one int8 per weight and one scale
@@ -95,7 +96,7 @@ class Int4Weight:
             y = torch.ops.aten._weight_int4pack_mm(xb, self.packed, group, self.scales_and_zeros)
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.packed, group, self.scales_and_zeros)
-        return y.float()
+        return y
 
 
 @attrs.frozen
@@ -125,18 +126,19 @@ class Int8Weight:
         long = [(start, stop) for start, stop in runs if stop - start >= INT8_DEQUANT_ROWS]
         if not long:
             return self._kernel(x)
+        x = x.float()
         out = x.new_empty((x.shape[0], self.codes.shape[0]))
         weight = self.dequantized()
         for start, stop in long:
             out[start:stop] = F.linear(x[start:stop], weight)
         short = [i for start, stop in runs if stop - start < INT8_DEQUANT_ROWS for i in range(start, stop)]
         if short:
-            out[short] = self._kernel(x[short])
+            out[short] = self._kernel(x[short]).float()
         return out
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         # Row-exact: every row is computed alone, whatever the batch.
-        return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.codes, self.scales).float()
+        return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.codes, self.scales)
 
 
 def _bf16_at_least(values: torch.Tensor) -> torch.Tensor:
@@ -179,11 +181,11 @@ class Int8Logits:
         return self.approx.nbytes
 
     def matmul(self, x: torch.Tensor, runs: Runs = None) -> torch.Tensor:
-        logits = self.approx._kernel(x)
+        logits = self.approx._kernel(x).float()
         if not len(x):
             return logits
         top = logits.topk(min(RESCORE_TOP, logits.shape[1]), dim=-1).indices  # [rows, k]
         weights = self.exact.rows(top).view(*top.shape, self.exact.cols)  # [rows, k, in]
         # A product and a sum over `in` per candidate: the same bits whatever the batch.
-        logits.scatter_(1, top, (weights * x[:, None, :]).sum(-1))
+        logits.scatter_(1, top, (weights * x.float()[:, None, :]).sum(-1))
         return logits
