@@ -21,6 +21,7 @@ from gguf import LlamaFileType
 from corral.errors import CorralError, UnknownArchitectureError
 from corral.gguf import GGUFFile
 from corral.kvcache import CausalCache
+from corral.memory import release_freed_memory
 from corral.model import Batch
 from corral.options import parse_options
 from corral.registry import Plugins
@@ -245,4 +246,6 @@ def load_model(
         tokenizer = pool.submit(Tokenizer.from_gguf, gguf.metadata)
         model = architectures[arch].from_gguf(gguf, tensor_backend)
         tokenizer = tokenizer.result()
+    gguf.drop_resident_pages()
+    release_freed_memory()
     return LoadedModel(path, gguf, model, tensor_backend, tokenizer, time.perf_counter() - start, plugins)

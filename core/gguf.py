@@ -199,6 +199,14 @@ class GGUFFile:
         flat = np.frombuffer(self._mmap, dtype=np.uint8, count=info.nbytes, offset=info.offset)
         return flat.reshape(rows, info.nbytes // rows)
 
+    def drop_resident_pages(self) -> None:
+        """Let the kernel drop this process's copy of the file's pages (they reload from the file when read).
+
+        After the backend has converted the weights, only a few rows (embeddings looked up,
+        logits rescored) are read again: keeping the whole file resident would only inflate RSS.
+        """
+        self._mmap.madvise(mmap.MADV_DONTNEED)
+
     def close(self) -> None:
         """Release the mapping (views handed out earlier become invalid)."""
         self._mmap.close()

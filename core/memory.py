@@ -7,6 +7,7 @@ the logits rows). The scheduler evicts idle models when the prediction does not 
 
 from __future__ import annotations
 
+import ctypes
 import os
 from typing import Any
 
@@ -18,6 +19,7 @@ from corral.gguf import GGUFFile
 INT4_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q4_K})
 KV_BYTES = 2  # bf16 cache
 INT4_BYTES_PER_WEIGHT = 0.5 + 2 * 2 / 32  # packed nibbles + bf16 scale and zero per group of 32
+FLOAT_TYPES = frozenset({Q.F32, Q.F16, Q.BF16})
 
 
 @attrs.frozen
@@ -49,12 +51,16 @@ def _weights(gguf: GGUFFile) -> int:
         count = 1
         for dim in info.shape:
             count *= dim
-        if len(info.shape) == 1 or info.name.startswith(("token_embd", "output.")):
-            total += 4 * count  # vectors, embeddings and logits stay float32
-        elif info.qtype in INT4_TYPES:
+        if len(info.shape) == 1:
+            total += 4 * count  # vectors: float32
+        elif info.name.startswith("token_embd") and "output.weight" in gguf.tensors:
+            continue  # an untied embedding is read from the file's map, a row at a time
+        elif info.qtype in FLOAT_TYPES:
+            total += 4 * count
+        elif info.qtype in INT4_TYPES and not info.name.startswith(("token_embd", "output.")):
             total += INT4_BYTES_PER_WEIGHT * count
         else:
-            total += 2 * count  # other linears: bf16
+            total += count  # other quantized linears and the logits: int8 per row
     return int(total)
 
 
@@ -107,3 +113,14 @@ def available_bytes() -> int | None:
     except OSError:
         return None
     return None
+
+
+def release_freed_memory() -> None:
+    """Hand memory freed after a load (conversion buffers, tokenizer building) back to the system.
+
+    glibc keeps freed heap pages for reuse, so without this RSS stays at the load's peak.
+    """
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc: nothing to trim

@@ -19,7 +19,8 @@ pytestmark = pytest.mark.real_model
 
 PERSON = {
     "type": "object",
-    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    # Bounded, so that even hot sampling must close the object within NUM_PREDICT tokens.
+    "properties": {"name": {"type": "string", "maxLength": 40}, "age": {"type": "integer", "minimum": 0, "maximum": 150}},
     "required": ["name", "age"],
     "additionalProperties": False,  # else a small model may add keys until num_predict
 }

@@ -16,7 +16,7 @@ from corral.plugins.backends import torch_quant
 from corral.plugins.backends.torch import TorchBackend
 from corral.plugins.backends.torch_graph import sequence_runs
 from corral.plugins.backends.torch_weights import (
-    INT8_DEQUANT_ROWS, RESCORE_TOP, DenseWeight, Int4Weight, Int8Logits, Int8Weight, MappedRows,
+    DEQUANT_ROWS, RESCORE_TOP, DenseWeight, Int4Weight, Int8Logits, Int8Weight, MappedRows,
 )
 from corral.registry import Plugins
 
@@ -70,7 +70,7 @@ def test_int8_matmul_rows_are_the_same_alone_and_batched(weight):
 
 def test_int8_matmul_single_rows_next_to_a_long_run_are_the_same_as_alone(weight):
     q = Int8Weight.quantize(weight)
-    n = INT8_DEQUANT_ROWS
+    n = DEQUANT_ROWS
     x = randn(n + 2, 64, seed=2)
     batched = q.matmul(x, [(0, n), (n, n + 1), (n + 1, n + 2)])
     assert torch.equal(batched[:n], q.matmul(x[:n], [(0, n)]))
@@ -78,12 +78,12 @@ def test_int8_matmul_single_rows_next_to_a_long_run_are_the_same_as_alone(weight
         assert torch.equal(batched[i], q.matmul(x[i : i + 1], [(0, 1)])[0])
 
 
-@pytest.mark.parametrize("rows", [INT8_DEQUANT_ROWS, INT8_DEQUANT_ROWS + 9])
+@pytest.mark.parametrize("rows", [DEQUANT_ROWS, DEQUANT_ROWS + 9])
 def test_int8_matmul_of_a_long_run_matches_the_dequantized_weight(weight, rows):
     q = Int8Weight.quantize(weight)
     x = randn(rows, 64, seed=3)
     expected = x @ q.dequantized().T
-    got = q.matmul(x, [(0, rows)])
+    got = q.matmul(x, [(0, rows)]).float()
     assert got.shape == (rows, 24)
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-2 * expected.abs().max().item())
 

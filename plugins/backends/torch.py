@@ -85,23 +85,20 @@ class TorchBackend:
             return MappedRows(raw, info.qtype, cols)
         if role == "linear" and self._keeps_int4(info):
             codes, scales, zeros = torch_quant.int4_codes(raw, info.qtype, cols)
-            return self._pack_int4(codes, scales, zeros)
+            return self._pack_int4(codes, scales, zeros, MappedRows(raw, info.qtype, cols) if cpu else None)
         if self._keeps_int8(info) and cpu:
-            weight = Int8Weight.quantize(self._dequantized(gguf, info, raw, torch.float32, keep=False))
+            weight = Int8Weight.from_gguf(raw, info.qtype, cols)
             return Int8Logits(weight, MappedRows(raw, info.qtype, cols)) if role == "logits" else weight
         dtype = torch.float32 if role in ("logits", "embedding") else self.dense_dtype
-        dense = self._dequantized(gguf, info, raw, dtype, keep=True)
+        dense = self._dequantized(info, raw, dtype)
         return dense if role == "embedding" else DenseWeight(dense)
 
-    def _dequantized(self, gguf: GGUFFile, info: TensorInfo, raw: torch.Tensor, dtype: torch.dtype, keep: bool) -> torch.Tensor:
+    def _dequantized(self, info: TensorInfo, raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         # A tied embedding is bound as "embedding" and as "logits": one dense copy serves both.
         key = f"{info.name}:{dtype}"
-        if key in self._dense:
-            return self._dense[key]
-        dense = torch_quant.dequantize(raw, info.qtype, info.shape[-1], dtype=dtype).reshape(info.shape).to(self.device)
-        if keep:
-            self._dense[key] = dense
-        return dense
+        if key not in self._dense:
+            self._dense[key] = torch_quant.dequantize(raw, info.qtype, info.shape[-1], dtype=dtype).reshape(info.shape).to(self.device)
+        return self._dense[key]
 
     def _keeps_int4(self, info: TensorInfo) -> bool:
         if self.precision != "auto" or info.qtype not in INT4_TYPES or len(info.shape) != 2:
@@ -115,13 +112,13 @@ class TorchBackend:
         # files keep their precision.
         return self.precision == "auto" and info.qtype not in FLOAT_TYPES and len(info.shape) == 2
 
-    def _pack_int4(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> Int4Weight:
+    def _pack_int4(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, source: MappedRows | None) -> Int4Weight:
         out_features, in_features = codes.shape
         if self.device.type == "cuda":
             packed, sz = torch_quant.pack_int4_for_cuda(codes.to(self.device), scales.to(self.device), zeros.to(self.device))
         else:
             packed, sz = torch_quant.pack_int4_for_cpu(codes, scales, zeros)
-        return Int4Weight(packed, sz, out_features, in_features)
+        return Int4Weight(packed, sz, out_features, in_features, source)
 
     def set_threads(self, count: int) -> None:
         """Compute threads for CPU kernels (torch's setting is process-wide)."""

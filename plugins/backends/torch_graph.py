@@ -51,6 +51,7 @@ class Graph:
         self.nodes: list[tuple[Callable, tuple]] = []
         self.bindings: dict[str, Any] = {}
         self.replayable = batch is not None
+        self._release_plan: tuple[tuple, list[list[int]]] | None = None
         self.batch, self.view = batch, view
         if batch is not None:
             self.bind(batch, view)
@@ -75,14 +76,31 @@ class Graph:
         return None
 
     def compute(self, *outputs: Node) -> list[torch.Tensor]:
-        values: list[Any] = []
+        values: list[Any] = [None] * len(self.nodes)
         bound = self.bindings
+        releases = self._releases(outputs)
         with torch.inference_mode():
-            for fn, args in self.nodes:
-                values.append(
-                    fn(*[values[a.index] if type(a) is Node else bound[a.name] if type(a) is Slot else a for a in args])
-                )
+            for i, (fn, args) in enumerate(self.nodes):
+                values[i] = fn(*[values[a.index] if type(a) is Node else bound[a.name] if type(a) is Slot else a for a in args])
+                for done in releases[i]:
+                    values[done] = None  # its last reader has run: free it now, not at the end of the graph
         return [values[out.index] for out in outputs]
+
+    def _releases(self, outputs: tuple[Node, ...]) -> list[list[int]]:
+        """For each node, the values whose last reader it is (outputs are never released)."""
+        key = tuple(out.index for out in outputs)
+        if self._release_plan is None or self._release_plan[0] != (len(self.nodes), key):
+            last_reader = {}
+            for i, (_, args) in enumerate(self.nodes):
+                for a in args:
+                    if type(a) is Node:
+                        last_reader[a.index] = i
+            releases: list[list[int]] = [[] for _ in self.nodes]
+            for value, reader in last_reader.items():
+                if value not in key:
+                    releases[reader].append(value)
+            self._release_plan = ((len(self.nodes), key), releases)
+        return self._release_plan[1]
 
 
 def sequence_runs(sequences: np.ndarray) -> list[tuple[int, int]]:

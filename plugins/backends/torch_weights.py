@@ -32,9 +32,10 @@ Runs = Sequence[tuple[int, int]] | None
 # Dense BLAS picks its algorithm by the row count: single rows run in chunks of 2..8, which
 # measured bit-identical for any chunk size (one row alone would take the gemv path).
 SINGLES_CHUNK = 8
-# A run of at least this many rows of one sequence (a prompt chunk) dequantizes an int8 weight to
-# float32 for one GEMM: the int8 kernel's cost grows linearly with rows, the GEMM's does not.
-INT8_DEQUANT_ROWS = 32
+# A run of at least this many rows of one sequence (a prompt chunk) dequantizes the weight from the
+# file to float32 for one GEMM: the int kernels cost ~14 us a row for 1536x576 whatever the batch,
+# float32 BLAS ~6 us from 64 rows on, and dequantizing the weight costs less than the difference.
+DEQUANT_ROWS = 32
 # Logits recomputed exactly per row: the true best token is always among the int8 top 32.
 RESCORE_TOP = 32
 
@@ -84,19 +85,43 @@ class Int4Weight:
     out_features: int
     in_features: int
 
+    source: MappedRows | None = None  # the file's exact weights, for prompt chunks on CPU
+
     @property
     def nbytes(self) -> int:
         return self.packed.nbytes + self.scales_and_zeros.nbytes
 
     def matmul(self, x: torch.Tensor, runs: Runs = None) -> torch.Tensor:
+        if self.source is None:
+            return self._kernel(x)
+        return _long_runs_dense(x, runs, self._kernel, self.source.dequantized)
+
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         # The kernel computes each row on its own: exact under batching as it is.
         xb = x.to(torch.bfloat16)
         group = torch_quant.INT4_GROUP
         if xb.device.type == "cuda":
-            y = torch.ops.aten._weight_int4pack_mm(xb, self.packed, group, self.scales_and_zeros)
-        else:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.packed, group, self.scales_and_zeros)
-        return y
+            return torch.ops.aten._weight_int4pack_mm(xb, self.packed, group, self.scales_and_zeros)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.packed, group, self.scales_and_zeros)
+
+
+def _long_runs_dense(x: torch.Tensor, runs: Runs, kernel: Any, dense: Any) -> torch.Tensor:
+    """Runs of DEQUANT_ROWS rows or more through float32 GEMMs with `dense()` (made once per call);
+    the other rows through the row-exact `kernel`. A run's length depends only on its own
+    sequence's prompt chunking, so which path a row takes never depends on the batch."""
+    runs = _rows_or_all(runs, x.shape[0])
+    long = [(start, stop) for start, stop in runs if stop - start >= DEQUANT_ROWS]
+    if not long:
+        return kernel(x)
+    weight = dense()
+    # bf16 out, as the kernel's: the dtype flowing on must not depend on what shares the batch.
+    out = x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.bfloat16)
+    for start, stop in long:
+        out[start:stop] = F.linear(x[start:stop].float(), weight)
+    short = [i for start, stop in runs if stop - start < DEQUANT_ROWS for i in range(start, stop)]
+    if short:
+        out[short] = kernel(x[short])
+    return out
 
 
 @attrs.frozen
@@ -105,6 +130,7 @@ class Int8Weight:
 
     codes: torch.Tensor
     scales: torch.Tensor  # bf16 [out], the dtype the kernel takes with bf16 activations
+    source: MappedRows | None = None  # the file's exact weights, for prompt chunks
 
     @classmethod
     def quantize(cls, weight: torch.Tensor) -> Int8Weight:
@@ -114,6 +140,18 @@ class Int8Weight:
         codes = torch.round(weight / scales.float()[:, None]).clamp_(-127, 127).to(torch.int8)
         return cls(codes, scales)
 
+    @classmethod
+    def from_gguf(cls, raw: torch.Tensor, qtype: Any, cols: int) -> Int8Weight:
+        """Quantize a GGUF tensor's bytes [rows, row_bytes] a slab of rows at a time (never all of it as float32)."""
+        rows = raw.shape[0]
+        codes = torch.empty(rows, cols, dtype=torch.int8)
+        scales = torch.empty(rows, dtype=torch.bfloat16)
+        step = max(1, torch_quant.SLAB_ELEMENTS // cols)
+        for start in range(0, rows, step):
+            part = cls.quantize(torch_quant.dequantize(raw[start : start + step], qtype, cols))
+            codes[start : start + step], scales[start : start + step] = part.codes, part.scales
+        return cls(codes, scales, MappedRows(raw, qtype, cols))
+
     @property
     def nbytes(self) -> int:
         return self.codes.nbytes + self.scales.nbytes
@@ -122,19 +160,7 @@ class Int8Weight:
         return self.codes.float() * self.scales.float()[:, None]
 
     def matmul(self, x: torch.Tensor, runs: Runs = None) -> torch.Tensor:
-        runs = _rows_or_all(runs, x.shape[0])
-        long = [(start, stop) for start, stop in runs if stop - start >= INT8_DEQUANT_ROWS]
-        if not long:
-            return self._kernel(x)
-        x = x.float()
-        out = x.new_empty((x.shape[0], self.codes.shape[0]))
-        weight = self.dequantized()
-        for start, stop in long:
-            out[start:stop] = F.linear(x[start:stop], weight)
-        short = [i for start, stop in runs if stop - start < INT8_DEQUANT_ROWS for i in range(start, stop)]
-        if short:
-            out[short] = self._kernel(x[short]).float()
-        return out
+        return _long_runs_dense(x, runs, self._kernel, self.source.dequantized if self.source else self.dequantized)
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         # Row-exact: every row is computed alone, whatever the batch.
@@ -163,6 +189,10 @@ class MappedRows:
     @property
     def shape(self) -> tuple[int, int]:
         return (self.raw.shape[0], self.cols)
+
+    def dequantized(self) -> torch.Tensor:
+        """The whole table as float32 [rows, cols]."""
+        return torch_quant.dequantize(self.raw, self.qtype, self.cols)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """float32 [len(ids), cols], exact."""
