@@ -18,6 +18,7 @@ import trio
 
 from corral.kvcache import CausalCache, shift_sequence
 from corral.model import Batch
+from corral.runner import compute
 from corral.sample import SampleResult, SamplerChain, SequenceSampler
 
 EVENT_BUFFER = 64  # tokens a sequence may run ahead of its reader before it is paused
@@ -162,7 +163,7 @@ class BatchingActor:
                 continue
             batch, emitting = build_batch(plan)
             view = self.cache.prepare(batch)
-            result = await trio.to_thread.run_sync(self._execute, batch, view, emitting, limiter=self.limiter)
+            result = await compute.run(self._execute, batch, view, emitting)
             self._update(plan, emitting, result)
 
     def _execute(self, batch: Batch, view: Any, emitting: list[Sequence]) -> SampleResult:
@@ -222,7 +223,7 @@ class BatchingActor:
             if not seq.shift or seq.num_ctx - seq.num_keep < 2:
                 self._finish(seq, "length")
                 continue
-            await trio.to_thread.run_sync(self._shift, seq, limiter=self.limiter)
+            await compute.run(self._shift, seq)
 
     def _shift(self, seq: Sequence) -> None:
         # Keep num_keep tokens, drop half of the rest, and slide the remainder back (llama.cpp's context shift).

@@ -24,6 +24,7 @@ from corral.grammar import Grammar, GrammarMatcher, compile_format
 from corral.kvcache import CausalCache
 from corral.options import InvalidOptionError, Options, parse_options
 from corral.registry import Plugins
+from corral.runner import compute
 from corral.runner.batching import EVENT_BUFFER, BatchingActor, Sequence
 from corral.runner.sequence import SequenceActor, truncate_prompt
 from corral.runner.slots import SlotPool
@@ -75,19 +76,26 @@ class Stream:
         return "".join(pieces), last
 
 
+def new_cache(model: LoadedModel, num_ctx: int, num_parallel: int, num_batch: int) -> CausalCache:
+    """The KV cache of a runtime: num_ctx cells per sequence, sliding-window layers their window and a batch."""
+    layers = model.model.cache_layers()
+    windows = [layer.window for layer in layers if layer.window]
+    window_cells = num_parallel * (max(windows) + num_batch) if windows else None
+    return CausalCache(model.backend, layers, num_ctx * num_parallel, window_cells, num_seqs=num_parallel)
+
+
 class Runtime:
     """One loaded model served to concurrent requests."""
 
-    def __init__(self, model: LoadedModel, nursery: trio.Nursery, plugins: Plugins, num_parallel: int, num_ctx: int, num_batch: int):
+    def __init__(
+        self, model: LoadedModel, cache: CausalCache, nursery: trio.Nursery, plugins: Plugins, num_parallel: int, num_ctx: int, num_batch: int
+    ):
         self.model = model
         self.num_parallel = num_parallel
         self.num_ctx = min(num_ctx, model.info.context_length)
         self.num_batch = num_batch
         self.chain = SamplerChain(plugins)
-        layers = model.model.cache_layers()
-        windows = [layer.window for layer in layers if layer.window]
-        window_cells = num_parallel * (max(windows) + num_batch) if windows else None
-        self.cache = CausalCache(model.backend, layers, self.num_ctx * num_parallel, window_cells, num_seqs=num_parallel)
+        self.cache = cache
         self.limiter = trio.CapacityLimiter(1)  # one forward at a time per device
         self.batcher = BatchingActor(model, self.cache, self.chain, num_batch, self.limiter)
         self.slots = SlotPool(num_parallel)
@@ -115,13 +123,14 @@ class Runtime:
         the compute threads (process-wide: a runner process has one model, an embedding app decides).
         """
         plugins = plugins or Plugins()
-        loaded = await trio.to_thread.run_sync(
+        loaded = await compute.run(
             functools.partial(load_model, model, precision=precision, device=device, plugins=plugins, num_thread=num_thread)
         )
         if template:
             loaded.use_template(template)
+        cache = await compute.run(new_cache, loaded, min(num_ctx, loaded.info.context_length), num_parallel, num_batch)
         async with trio.open_nursery() as nursery:
-            runtime = cls(loaded, nursery, plugins, num_parallel, num_ctx, num_batch)
+            runtime = cls(loaded, cache, nursery, plugins, num_parallel, num_ctx, num_batch)
             await nursery.start(runtime.batcher.run)
             try:
                 yield runtime
