@@ -16,7 +16,7 @@ from corral.plugins.backends import torch_quant
 from corral.plugins.backends.torch import TorchBackend
 from corral.plugins.backends.torch_graph import sequence_runs
 from corral.plugins.backends.torch_weights import (
-    DEQUANT_ROWS, RESCORE_TOP, DenseWeight, Int4Weight, Int8Logits, Int8Weight, MappedRows,
+    DEQUANT_ROWS, RESCORE_TOP, DenseWeight, Int4Weight, Int8Weight, MappedRows, RescoredLogits, requantized_int4,
 )
 from corral.registry import Plugins
 
@@ -95,7 +95,7 @@ def test_int8_matmul_of_single_rows_matches_the_dequantized_weight_to_bf16_round
     torch.testing.assert_close(q.matmul(x, None).float(), expected, rtol=0, atol=1e-2 * expected.abs().max().item())
 
 
-# --- MappedRows and Int8Logits ----------------------------------------------------------------------
+# --- MappedRows and RescoredLogits ----------------------------------------------------------------------
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0], ids=lambda q: q.name)
 def test_mapped_rows_equal_dequantize_of_the_same_raw_rows(qtype):
     raw, _ = quantized_rows(qtype, rows=10, cols=64)
@@ -105,13 +105,30 @@ def test_mapped_rows_equal_dequantize_of_the_same_raw_rows(qtype):
     assert torch.equal(table.rows(ids), torch_quant.dequantize(raw[[3, 0, 3, 9]], qtype, 64))
 
 
-@pytest.fixture
-def logits_layer() -> tuple[Int8Logits, torch.Tensor]:
-    raw, exact = quantized_rows(Q.Q8_0, rows=256, cols=64, seed=5)
-    return Int8Logits(Int8Weight.quantize(exact), MappedRows(raw, Q.Q8_0, 64)), exact
+@pytest.fixture(params=["int4", "int8"])
+def logits_layer(request) -> tuple[RescoredLogits, torch.Tensor]:
+    raw, exact = quantized_rows(Q.Q8_0, rows=512, cols=64, seed=5)
+    approx = requantized_int4(raw, Q.Q8_0, 64) if request.param == "int4" else Int8Weight.quantize(exact)
+    return RescoredLogits(approx, MappedRows(raw, Q.Q8_0, 64)), exact
 
 
-def test_int8_logits_rescores_the_top_candidates_exactly(logits_layer):
+def test_int4_requantize_rounds_each_group_to_within_half_a_step():
+    weight = randn(32, 96, seed=11)
+    codes, scales, zeros = torch_quant.int4_requantize(weight)
+    assert int(codes.max()) <= 15
+    rebuilt = (codes.float().view(32, 3, 32) - 8) * scales[..., None] + zeros[..., None]
+    assert ((rebuilt.view(32, 96) - weight).abs() <= scales.repeat_interleave(32, dim=1) / 2 + 1e-6).all()
+
+
+def test_requantized_int4_matmul_approximates_the_exact_product():
+    raw, exact = quantized_rows(Q.Q8_0, rows=64, cols=64, seed=12)
+    x = randn(3, 64, seed=13)
+    expected = x @ exact.T
+    got = requantized_int4(raw, Q.Q8_0, 64)._kernel(x).float()
+    torch.testing.assert_close(got, expected, rtol=0, atol=0.1 * expected.abs().max().item())
+
+
+def test_rescored_logits_rescores_the_top_candidates_exactly(logits_layer):
     layer, exact = logits_layer
     x = randn(6, 64, seed=6)
     got, expected = layer.matmul(x), x @ exact.T
@@ -120,7 +137,7 @@ def test_int8_logits_rescores_the_top_candidates_exactly(logits_layer):
     assert torch.equal(got.argmax(-1), expected.argmax(-1))
 
 
-def test_int8_logits_rows_are_the_same_alone_and_batched(logits_layer):
+def test_rescored_logits_rows_are_the_same_alone_and_batched(logits_layer):
     layer, _ = logits_layer
     x = randn(6, 64, seed=7)
     batched = layer.matmul(x)
@@ -128,10 +145,10 @@ def test_int8_logits_rows_are_the_same_alone_and_batched(logits_layer):
         assert torch.equal(layer.matmul(x[i : i + 1])[0], batched[i])
 
 
-def test_int8_logits_of_no_rows_is_empty(logits_layer):
+def test_rescored_logits_of_no_rows_is_empty(logits_layer):
     layer, _ = logits_layer
     got = layer.matmul(torch.zeros(0, 64))
-    assert got.shape == (0, 256) and got.dtype == torch.float32
+    assert got.shape == (0, 512) and got.dtype == torch.float32
 
 
 # --- TorchBackend.load_tensor -----------------------------------------------------------------------
@@ -157,7 +174,7 @@ def weights_file(tmp_path_factory) -> GGUFFile:
         ("auto", "q4", "linear", Int4Weight),
         ("auto", "q4_8rows", "linear", Int8Weight),  # too few rows for the CPU int4 kernel
         ("auto", "q8", "linear", Int8Weight),
-        ("auto", "q8", "logits", Int8Logits),
+        ("auto", "q8", "logits", RescoredLogits),
         ("auto", "q8", "embedding", MappedRows),
         ("auto", "f32", "linear", DenseWeight),
         ("fp32", "q8", "linear", DenseWeight),
@@ -195,7 +212,7 @@ class Counting:
 
 @pytest.fixture(scope="module")
 def llama_path(tmp_path_factory) -> str:
-    # A Q8_0 tied embedding: MappedRows lookups and Int8Logits run in the graph too.
+    # A Q8_0 tied embedding: MappedRows lookups and RescoredLogits run in the graph too.
     return write_tiny_llama(tmp_path_factory.mktemp("llama") / "tiny.gguf", tensor_types={"token_embd.weight": Q.Q8_0})
 
 

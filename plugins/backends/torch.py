@@ -34,7 +34,7 @@ from corral.model import Batch
 from corral.hookspecs import hookimpl
 from corral.plugins.backends import torch_quant
 from corral.plugins.backends.torch_graph import Graph, GraphCache, Node, Slot
-from corral.plugins.backends.torch_weights import DenseWeight, Int4Weight, Int8Logits, Int8Weight, MappedRows
+from corral.plugins.backends.torch_weights import DenseWeight, Int4Weight, Int8Weight, MappedRows, RescoredLogits, requantized_int4
 
 INT4_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q4_K})
 FLOAT_TYPES = frozenset({Q.F32, Q.F16, Q.BF16})
@@ -87,8 +87,9 @@ class TorchBackend:
             codes, scales, zeros = torch_quant.int4_codes(raw, info.qtype, cols)
             return self._pack_int4(codes, scales, zeros, MappedRows(raw, info.qtype, cols) if cpu else None)
         if self._keeps_int8(info) and cpu:
-            weight = Int8Weight.from_gguf(raw, info.qtype, cols)
-            return Int8Logits(weight, MappedRows(raw, info.qtype, cols)) if role == "logits" else weight
+            if role == "logits":
+                return RescoredLogits(self._approximate_logits(raw, info), MappedRows(raw, info.qtype, cols))
+            return Int8Weight.from_gguf(raw, info.qtype, cols)
         dtype = torch.float32 if role in ("logits", "embedding") else self.dense_dtype
         dense = self._dequantized(info, raw, dtype)
         return dense if role == "embedding" else DenseWeight(dense)
@@ -106,6 +107,12 @@ class TorchBackend:
         # The packed kernels tile output rows by 16 on CPU and 8 on CUDA; others are dequantized.
         rows_multiple = 8 if self.device.type == "cuda" else 16
         return info.shape[0] % rows_multiple == 0 and info.shape[1] % torch_quant.INT4_GROUP == 0
+
+    def _approximate_logits(self, raw: torch.Tensor, info: TensorInfo) -> Int4Weight | Int8Weight:
+        rows, cols = info.shape
+        if rows % 16 == 0 and cols % torch_quant.INT4_GROUP == 0:  # the CPU int4 kernel's shapes
+            return requantized_int4(raw, info.qtype, cols)
+        return Int8Weight.from_gguf(raw, info.qtype, cols)
 
     def _keeps_int8(self, info: TensorInfo) -> bool:
         # Quantized files hold at most 8 bits a weight: int8 per row loses little of it. Float

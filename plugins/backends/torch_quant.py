@@ -230,7 +230,18 @@ def int4_codes(raw: torch.Tensor, qtype: Q, cols: int) -> tuple[torch.Tensor, to
     return codes.reshape(-1, cols), scales.reshape(-1, groups), zeros.reshape(-1, groups)
 
 
-def _scales_and_zeros(scales: torch.Tensor, zeros: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def int4_requantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A float weight [rows, cols] rounded to int4 per group of 32 (min to max in 15 steps):
+    (codes uint8 [rows, cols], scales, zeros float32 [rows, cols // 32]). Lossy, unlike int4_codes."""
+    rows, cols = weight.shape
+    groups = weight.reshape(rows, cols // INT4_GROUP, INT4_GROUP)
+    low, high = groups.amin(dim=-1), groups.amax(dim=-1)
+    scales = ((high - low) / 15).clamp_min(torch.finfo(torch.float32).tiny)
+    codes = torch.round((groups - low[..., None]) / scales[..., None]).clamp_(0, 15).to(torch.uint8)
+    return codes.reshape(rows, cols), scales, low + 8 * scales
+
+
+def scales_and_zeros(scales: torch.Tensor, zeros: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """[rows, groups] twice -> [groups, rows, 2] (scale, zero), the layout both int4 kernels read."""
     return torch.stack((scales.t(), zeros.t()), dim=-1).to(dtype).contiguous()
 
@@ -245,6 +256,11 @@ def pack_int4_for_cpu(
     float32 gives exact fp32 dequantization). The packed layout depends on the CPU's vector width
     (blocks of 64 rows on AVX-512, 32 on AVX2), so it is built by torch and never stored to disk.
     """
+    return pack_int4_codes_for_cpu(codes), scales_and_zeros(scales, zeros, dtype)
+
+
+def pack_int4_codes_for_cpu(codes: torch.Tensor) -> torch.Tensor:
+    """Codes uint8 [rows, cols] -> torch's packed CPU layout uint8 [rows, cols // 2]."""
     rows = codes.shape[0]
     if rows % 16:
         raise UnsupportedTensorTypeError(f"torch's CPU int4 kernel needs rows divisible by 16, got {rows}")
@@ -256,7 +272,7 @@ def pack_int4_for_cpu(
     for start in range(0, rows, step):
         slab = codes[start : start + step].to(torch.int32)
         packed[start : start + step] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(slab, 1)
-    return packed, _scales_and_zeros(scales, zeros, dtype)
+    return packed
 
 
 def _inner_k_tiles(cols: int) -> int:
@@ -286,4 +302,4 @@ def pack_int4_for_cuda(
     codes = codes.to(device=device, dtype=torch.uint8)
     pairs = (codes[:, 0::2] << 4) | codes[:, 1::2]
     packed = torch.ops.aten._convert_weight_to_int4pack(pairs.contiguous(), _inner_k_tiles(cols))
-    return packed, _scales_and_zeros(scales.to(device), zeros.to(device), torch.bfloat16)
+    return packed, scales_and_zeros(scales.to(device), zeros.to(device), torch.bfloat16)
