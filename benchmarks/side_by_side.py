@@ -1,12 +1,17 @@
 """corral and llama.cpp on the same GGUF files, measured in one run, alternating.
 
     pip install llama-cpp-python        # builds llama.cpp from source (~12 min on 2 cores)
-    python benchmarks/side_by_side.py [--models smollm2 gemma3:270m] [--rounds 2] [--threads 2]
+    python benchmarks/side_by_side.py [--models smollm2 gemma3:270m] [--rounds 2] [--threads 2] [--streams 8]
 
 Every measurement runs in a fresh process (so resident memory is the model's, not the previous
 one's), and the two engines alternate round by round so machine noise hits both alike. Prints a
 table per model with each figure, both engines and the ratio (corral / llama.cpp; for memory and
 load time lower is better).
+
+Besides batch 1, it measures N concurrent greedy streams (`--streams`, 64-token prompts, 64 tokens
+each): corral through `run_concurrency_bench` (its Trio runtime), llama.cpp through its C API the
+way llama-server batches them, one `llama_decode` over all sequences per step (no llama-server
+binary is needed). Both figures are generated tokens / wall time, prefill of the prompts included.
 """
 
 from __future__ import annotations
@@ -46,26 +51,111 @@ print(json.dumps({"load_s": load_s, "prefill_tok_s": prompt_tokens / prefill_s, 
                   "rss_after_load_mb": rss, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3}))
 '''
 
+# N streams through llama.cpp's own continuous batching, as llama-server runs them: one context with
+# a sequence per stream, all prompts prefilled in one llama_decode (logits on each prompt's last
+# token), then one llama_decode of N tokens (one per sequence) per step, greedy on every row. Same
+# workload as corral's run_concurrency_bench: N prompts of P tokens of the same English text, each
+# with a distinct first token; G tokens per stream (the first from the prefill's logits, then G - 1
+# decode steps), never stopping at end-of-generation.
+LLAMA_CPP_STREAMS = r"""
+import json, sys, time
+import numpy as np
+import llama_cpp as L
+from llama_cpp._logger import set_verbose
+
+path, streams, prompt_tokens, gen_tokens, threads = sys.argv[1], *map(int, sys.argv[2:6])
+set_verbose(False)
+L.llama_backend_init()
+model = L.llama_model_load_from_file(path.encode(), L.llama_model_default_params())
+vocab = L.llama_model_get_vocab(model)
+n_vocab = L.llama_vocab_n_tokens(vocab)
+params = L.llama_context_default_params()  # flash attention "auto" and per-sequence KV, as llama-server's defaults
+params.n_seq_max = streams
+params.n_ctx = streams * (prompt_tokens + gen_tokens + 8)
+params.n_batch = max(streams * prompt_tokens, 512)
+params.n_ubatch = 512
+params.n_threads = params.n_threads_batch = threads
+ctx = L.llama_init_from_model(model, params)
+memory = L.llama_get_memory(ctx)
+batch = L.llama_batch_init(params.n_batch, 0, 1)
+
+text = ("The history of astronomy spans thousands of years, from the first people who tracked the moon "
+        "and planets to the telescopes that map galaxies billions of light years away. ").encode()
+buf = (L.llama_token * 4096)()
+piece = list(buf[:L.llama_tokenize(vocab, text, len(text), buf, len(buf), False, False)])
+base = (piece * (prompt_tokens // len(piece) + 1))[:prompt_tokens]
+prompts = [[base[(i * 7) % len(base)]] + base[1:] for i in range(streams)]
+
+def decode(rows):
+    # rows: (token, position, sequence, logits wanted); returns the argmax of each wanted row's logits
+    for i, (token, pos, seq, out) in enumerate(rows):
+        batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = token, pos, 1, out
+        batch.seq_id[i][0] = seq
+    batch.n_tokens = len(rows)
+    if L.llama_decode(ctx, batch) != 0:
+        raise RuntimeError("llama_decode failed")
+    return [int(np.ctypeslib.as_array(L.llama_get_logits_ith(ctx, i), shape=(n_vocab,)).argmax())
+            for i, row in enumerate(rows) if row[3]]
+
+def generate(seqs):
+    # Greedy tokens of each prompt in `seqs`, all sequences in every llama_decode.
+    out = [[t] for t in decode([(tok, pos, s, pos == prompt_tokens - 1) for s in seqs for pos, tok in enumerate(prompts[s])])]
+    for step in range(gen_tokens - 1):
+        for tokens, t in zip(out, decode([(out[k][-1], prompt_tokens + step, s, True) for k, s in enumerate(seqs)])):
+            tokens.append(t)
+    return out
+
+decode([(t, pos, 0, pos == 7) for pos, t in enumerate(base[:8])]); L.llama_memory_clear(memory, True)  # warm up
+start = time.perf_counter()
+batched = generate(range(streams))
+wall = time.perf_counter() - start
+L.llama_memory_clear(memory, True)
+single = generate([0])[0]  # the same stream alone: informational check of batch invariance
+print(json.dumps({"aggregate_tok_s": streams * gen_tokens / wall, "wall_s": wall,
+                  "batched_matches_single": batched[0] == single,
+                  "first_mismatch": next((i for i, (a, b) in enumerate(zip(batched[0], single)) if a != b), None)}))
+L.llama_batch_free(batch); L.llama_free(ctx); L.llama_model_free(model)
+"""
+
 FIGURES = [
     ("load_s", "load time (s)", "lower"),
     ("prefill_tok_s", "prefill tok/s", "higher"),
     ("decode_tok_s", "decode tok/s (batch 1)", "higher"),
     ("rss_after_load_mb", "RSS after load (MB)", "lower"),
     ("peak_rss_mb", "peak RSS (MB)", "lower"),
+    ("aggregate_tok_s", "aggregate tok/s, {streams} streams", "higher"),
 ]
 
 
+def run_json(command: list[str]) -> dict:
+    """Run `command` in a fresh process; its last line of output is a JSON object."""
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"benchmark process failed ({done.returncode}):\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def run_corral(model: str, prompt_tokens: int, gen_tokens: int, threads: int) -> dict:
-    command = [sys.executable, "-c", (
+    return run_json([sys.executable, "-c", (
         "import json, torch; torch.set_num_threads(%d); from corral.bench import run_bench; "
         "print(json.dumps(run_bench(%r, prompt_tokens=%d, gen_tokens=%d)))" % (threads, model, prompt_tokens, gen_tokens)
-    )]
-    return json.loads(subprocess.run(command, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1])
+    )])
 
 
 def run_llama_cpp(path: str, prompt_tokens: int, gen_tokens: int, threads: int) -> dict:
-    command = [sys.executable, "-c", LLAMA_CPP, path, str(prompt_tokens), str(gen_tokens), str(threads)]
-    return json.loads(subprocess.run(command, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1])
+    return run_json([sys.executable, "-c", LLAMA_CPP, path, str(prompt_tokens), str(gen_tokens), str(threads)])
+
+
+def run_corral_streams(model: str, streams: int, prompt_tokens: int, gen_tokens: int, threads: int) -> dict:
+    return run_json([sys.executable, "-c", (
+        "import json, torch; torch.set_num_threads(%d); from corral.bench import run_concurrency_bench; "
+        "print(json.dumps(run_concurrency_bench(%r, concurrency=%d, prompt_tokens=%d, gen_tokens=%d)))"
+        % (threads, model, streams, prompt_tokens, gen_tokens)
+    )])
+
+
+def run_llama_cpp_streams(path: str, streams: int, prompt_tokens: int, gen_tokens: int, threads: int) -> dict:
+    return run_json([sys.executable, "-c", LLAMA_CPP_STREAMS, path, str(streams), str(prompt_tokens), str(gen_tokens), str(threads)])
 
 
 def main() -> None:
@@ -75,7 +165,11 @@ def main() -> None:
     parser.add_argument("--gen-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--streams", type=int, default=8, help="concurrent greedy streams for the aggregate figure")
+    parser.add_argument("--stream-prompt-tokens", type=int, default=64)
+    parser.add_argument("--stream-gen-tokens", type=int, default=64)
     args = parser.parse_args()
+    stream_args = (args.streams, args.stream_prompt_tokens, args.stream_gen_tokens, args.threads)
 
     from corral import store
 
@@ -85,13 +179,23 @@ def main() -> None:
         for _ in range(args.rounds):
             results["corral"].append(run_corral(model, args.prompt_tokens, args.gen_tokens, args.threads))
             results["llama.cpp"].append(run_llama_cpp(path, args.prompt_tokens, args.gen_tokens, args.threads))
-        print(f"\n## {model} ({args.rounds} rounds, median; {args.threads} threads)\n")
+            ours, theirs = run_corral_streams(model, *stream_args), run_llama_cpp_streams(path, *stream_args)
+            results["corral"][-1]["aggregate_tok_s"] = ours["aggregate_tok_s"]
+            results["llama.cpp"][-1]["aggregate_tok_s"] = theirs["aggregate_tok_s"]
+            if ours["generated_tokens"] != args.streams * args.stream_gen_tokens:
+                print(f"warning: {model}: corral's streams generated {ours['generated_tokens']} tokens, not "
+                      f"{args.streams * args.stream_gen_tokens} (some stopped at end-of-generation)", file=sys.stderr)
+            if not theirs["batched_matches_single"]:
+                print(f"warning: {model}: llama.cpp's greedy tokens for stream 0 batched with {args.streams - 1} others differ "
+                      f"from the same stream alone (first at token {theirs['first_mismatch']})", file=sys.stderr)
+        print(f"\n## {model} ({args.rounds} rounds, median; {args.threads} threads; {args.streams} streams of "
+              f"{args.stream_prompt_tokens}-token prompts, {args.stream_gen_tokens} tokens each)\n")
         print("| figure | corral | llama.cpp | corral / llama.cpp |")
         print("|---|---|---|---|")
         for key, label, _better in FIGURES:
             ours = statistics.median(r[key] for r in results["corral"])
             theirs = statistics.median(r[key] for r in results["llama.cpp"])
-            print(f"| {label} | {ours:.2f} | {theirs:.2f} | {ours / theirs:.2f}x |")
+            print(f"| {label.format(streams=args.streams)} | {ours:.2f} | {theirs:.2f} | {ours / theirs:.2f}x |")
 
 
 if __name__ == "__main__":
