@@ -13,7 +13,9 @@ from corral.gguf import GGUFFile
 from corral.kvcache import CausalCache
 from corral.model import Batch
 from corral.plugins.backends import torch_quant
+from corral.plugins.backends import torch as torch_backend
 from corral.plugins.backends.torch import TorchBackend
+from corral.plugins.backends.torch_fusion import stack_weights
 from corral.plugins.backends.torch_graph import sequence_runs
 from corral.plugins.backends.torch_weights import (
     DEQUANT_ROWS, RESCORE_TOP, DenseWeight, Int4Weight, Int8Weight, MappedRows, RescoredLogits, requantized_int4,
@@ -289,3 +291,53 @@ def test_graph_fed_a_copy_of_the_batchs_tokens_is_not_replayable(llama_path):
 )
 def test_sequence_runs_splits_rows_where_the_sequence_changes(sequences, runs):
     assert sequence_runs(np.array(sequences, dtype=np.int64)) == runs
+
+
+# --- fusion of linears sharing an input ---------------------------------------------------------------
+def int4_weight(rows: int, cols: int = 64, seed: int = 0) -> Int4Weight:
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (rows, cols), dtype=torch.uint8, generator=gen)
+    scales, zeros = torch.rand(rows, cols // 32, generator=gen), torch.rand(rows, cols // 32, generator=gen)
+    packed, sz = torch_quant.pack_int4_for_cpu(codes, scales, zeros)
+    return Int4Weight(packed, sz, rows, cols)
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_stacked_weight_computes_each_part_and_shares_their_storage(kind):
+    if kind == "int4":
+        parts = [int4_weight(rows, seed=i) for i, rows in enumerate((128, 64, 64))]
+    else:
+        parts = [Int8Weight.quantize(randn(rows, 64, seed=i)) for i, rows in enumerate((48, 16, 16))]
+    x = randn(3, 64, seed=9)
+    separate = torch.cat([part.matmul(x) for part in parts], dim=1)
+    stacked = stack_weights(parts)
+    assert torch.equal(stacked.matmul(x), separate)
+    big = stacked.packed if kind == "int4" else stacked.codes
+    for part in parts:  # each original is now a view into the stacked copy
+        own = part.packed if kind == "int4" else part.codes
+        assert own.untyped_storage().data_ptr() == big.untyped_storage().data_ptr()
+
+
+def test_int4_weights_of_partial_packing_blocks_do_not_stack():
+    assert stack_weights([int4_weight(64), int4_weight(16)]) is None
+    assert stack_weights([int4_weight(64), Int8Weight.quantize(randn(64, 64))]) is None
+
+
+def test_fusion_runs_linears_of_one_input_as_one_and_gives_the_same_result():
+    backend = TorchBackend(precision="auto")
+    parts = [Int8Weight.quantize(randn(rows, 64, seed=i)) for i, rows in enumerate((32, 16, 16))]
+    x = randn(2, 64, seed=10)
+
+    def record():
+        ctx = backend.new_context()
+        h = ctx.record(lambda: x)
+        q, k, v = (ctx.linear(h, w) for w in parts)
+        return ctx, ctx.record(lambda a, b, c: torch.cat((a, b, c), dim=1), q, k, v)
+
+    ctx, out = record()
+    (expected,) = ctx.compute(out)
+    ctx, out = record()
+    out = ctx.optimize(out)
+    linears = [args for fn, args in ctx.nodes if fn is torch_backend._linear]
+    assert len(linears) == 1 and linears[0][1].codes.shape == (64, 64)
+    assert torch.equal(ctx.compute(out)[0], expected)

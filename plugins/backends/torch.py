@@ -33,6 +33,7 @@ from corral.gguf import GGUFFile, TensorInfo
 from corral.model import Batch
 from corral.hookspecs import hookimpl
 from corral.plugins.backends import torch_quant
+from corral.plugins.backends.torch_fusion import fuse_linears, stack_weights
 from corral.plugins.backends.torch_graph import Graph, GraphCache, Node, Slot
 from corral.plugins.backends.torch_weights import DenseWeight, Int4Weight, Int8Weight, MappedRows, RescoredLogits, requantized_int4
 
@@ -68,6 +69,7 @@ class TorchBackend:
         self.kv_dtype = torch.float32 if reference else torch.bfloat16
         self._dense: dict[str, torch.Tensor] = {}
         self._graphs = GraphCache()
+        self._stacked: dict[tuple[int, ...], tuple[Any, list[Any]]] = {}
 
     def load_tensor(self, gguf: GGUFFile, info: TensorInfo, role: str) -> Any:
         """Convert one GGUF tensor for `role` ("linear", "logits", "embedding" or "vector")."""
@@ -127,6 +129,13 @@ class TorchBackend:
             packed, sz = torch_quant.pack_int4_for_cpu(codes, scales, zeros)
         return Int4Weight(packed, sz, out_features, in_features, source)
 
+    def stacked_weight(self, weights: list[Any]) -> Any | None:
+        """The weights stacked by rows into one (built once per group), or None when they do not stack."""
+        key = tuple(id(w) for w in weights)
+        if key not in self._stacked:
+            self._stacked[key] = (stack_weights(weights), weights)  # the originals kept alive with their key
+        return self._stacked[key][0]
+
     def set_threads(self, count: int) -> None:
         """Compute threads for CPU kernels (torch's setting is process-wide)."""
         torch.set_num_threads(count)
@@ -158,6 +167,10 @@ class TorchContext(Graph):
         super().__init__(batch, view)
         self.backend = backend
         self._rope_tables: dict[tuple, Node] = {}
+
+    def optimize(self, output: Node) -> Node:
+        (output,) = fuse_linears(self, (output,), _linear, self.backend.stacked_weight)
+        return output
 
     # --- ops -------------------------------------------------------------------------------
     def input(self, values: np.ndarray) -> Node:

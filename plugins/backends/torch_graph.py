@@ -75,6 +75,10 @@ class Graph:
         self.replayable = False
         return None
 
+    def optimize(self, output: Node) -> Node:
+        """Rewrite the recorded graph before it first runs (a backend's fusions); returns `output` renumbered."""
+        return output
+
     def compute(self, *outputs: Node) -> list[torch.Tensor]:
         values: list[Any] = [None] * len(self.nodes)
         bound = self.bindings
@@ -129,7 +133,7 @@ class GraphCache:
             graph.bind(batch, view)
             return graph.compute(out)[0]
         graph = new_graph(batch, view)
-        out = model.forward(graph, batch, view)
+        out = graph.optimize(model.forward(graph, batch, view))
         if graph.replayable:
             self._graphs[key] = (model, graph, out)
             while len(self._graphs) > self.size:
