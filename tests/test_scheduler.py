@@ -54,7 +54,7 @@ async def queue_depth(http) -> float:
 async def test_queue_overflow_answers_503_at_once(nursery, seeded_store_root, tmp_path, monkeypatch):
     url = await start_server(nursery, seeded_store_root, tmp_path, monkeypatch, CORRAL_MAX_QUEUE=1, CORRAL_NUM_PARALLEL=1)
     # A raw counting prompt keeps going (a chat answer could end early and leave nobody waiting).
-    long = {"model": "smollm2", "prompt": "1, 2, 3, 4, 5,", "raw": True, "stream": False, "options": {"num_predict": 200}}
+    long = {"model": "smollm2", "prompt": "1, 2, 3, 4, 5,", "raw": True, "stream": False, "options": {"num_predict": 400}}
     statuses = []
     async with httpx.AsyncClient(base_url=url, timeout=300) as http:
         await http.post("/api/generate", json={"model": "smollm2", "prompt": ""})  # loaded before the rush
@@ -65,7 +65,7 @@ async def test_queue_overflow_answers_503_at_once(nursery, seeded_store_root, tm
         async with trio.open_nursery() as requests:
             requests.start_soon(post)  # takes the one slot
             requests.start_soon(post)  # waits for it
-            with trio.fail_after(60):
+            with trio.fail_after(120):
                 while await queue_depth(http) < 1:
                     await trio.sleep(0.05)
             busy = await http.post("/api/generate", json=long)  # one too many: answered at once
