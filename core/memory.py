@@ -57,10 +57,12 @@ def _weights(gguf: GGUFFile) -> int:
             continue  # an untied embedding is read from the file's map, a row at a time
         elif info.qtype in FLOAT_TYPES:
             total += 4 * count
-        elif info.qtype in INT4_TYPES and not info.name.startswith(("token_embd", "output.")):
+        elif info.name.startswith(("token_embd", "output.")):
+            total += INT4_BYTES_PER_WEIGHT * count  # the logits' 4-bit copy (exact rows come from the file)
+        elif info.qtype in INT4_TYPES:
             total += INT4_BYTES_PER_WEIGHT * count
         else:
-            total += count  # other quantized linears and the logits: int8 per row
+            total += count  # other quantized linears: int8 per row
     return int(total)
 
 

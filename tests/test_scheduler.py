@@ -3,6 +3,7 @@
 import os
 import shutil
 
+import attrs
 import httpx
 import pytest
 import trio
@@ -120,3 +121,13 @@ def test_memory_estimate_grows_with_context_and_parallelism(smollm2_path):
     # 30 layers x 3 kv heads x (64 + 64) dims x 2 bytes per cell
     assert small.kv_cache == 30 * 3 * 128 * 2 * 1024
     assert large.kv_cache == 16 * small.kv_cache
+
+
+def test_memory_estimate_of_the_weights_matches_what_the_backend_loads(smollm2_path):
+    from corral.engine import load_model
+
+    model = load_model(smollm2_path)
+    layers = [getattr(block, field.name) for block in model.model.blocks for field in attrs.fields(type(block))]
+    layers += [model.model.token_embd, model.model.output_norm, model.model.output]
+    loaded = sum(model.backend.weight_bytes(layer.weight) for layer in layers)
+    assert memory.estimate(smollm2_path, 1024, 1).weights == pytest.approx(loaded, rel=0.02)
