@@ -112,6 +112,8 @@ def _long_runs_dense(x: torch.Tensor, runs: Runs, kernel: Any, dense: Any) -> to
     """Runs of DEQUANT_ROWS rows or more through float32 GEMMs with `dense()` (made once per call);
     the other rows through the row-exact `kernel`. A run's length depends only on its own
     sequence's prompt chunking, so which path a row takes never depends on the batch."""
+    if x.shape[0] < DEQUANT_ROWS:  # no run can be long: the decode path, kept short
+        return kernel(x)
     runs = _rows_or_all(runs, x.shape[0])
     long = [(start, stop) for start, stop in runs if stop - start >= DEQUANT_ROWS]
     if not long:
