@@ -130,7 +130,7 @@ class SeqGroup:
     rows: Any  # slice or native int64 index of its batch rows
     start: int  # first cell of its region
     used: int  # attention reads cells [start, start + used)
-    mask: Any  # native bool [len(rows), used], True where a key is visible
+    mask: Any  # native bool [len(rows), used], True where a key is visible; None when all are
 
 
 @attrs.frozen
@@ -196,7 +196,8 @@ class CausalCache:
         for index, pool in enumerate(self.pools):
             slots[index] = self.backend.from_numpy(pool.allocate(batch))
             groups[index] = [
-                SeqGroup(self._rows(rows), start, used, self.backend.from_numpy(mask))
+                # Every used cell visible (a decode row without holes or window): no mask to apply.
+                SeqGroup(self._rows(rows), start, used, None if mask.all() else self.backend.from_numpy(mask))
                 for rows, start, used, mask in pool.groups(batch)
             ]
         return CacheView(self, slots, groups)

@@ -244,7 +244,8 @@ def visible_keys(cache: CausalCache, view, pool: int, batch: Batch) -> list[list
     cells: list[np.ndarray] = [np.array([], dtype=np.int64)] * len(batch)
     if hasattr(view, "groups"):
         for group in view.groups[pool]:
-            for row, mask in zip(np.arange(len(batch))[group.rows], np.asarray(group.mask)):
+            masks = np.ones((len(np.arange(len(batch))[group.rows]), group.used), bool) if group.mask is None else group.mask
+            for row, mask in zip(np.arange(len(batch))[group.rows], np.asarray(masks)):
                 cells[row] = group.start + np.flatnonzero(mask)
     else:
         for row, mask in enumerate(np.asarray(view.masks[pool])):
