@@ -14,6 +14,7 @@ from corral.kvcache import CausalCache
 from corral.model import Batch
 from corral.plugins.backends import torch_quant
 from corral.plugins.backends import torch as torch_backend
+from corral.plugins.backends import torch_weights
 from corral.plugins.backends.torch import TorchBackend
 from corral.plugins.backends.torch_fusion import stack_weights
 from corral.plugins.backends.torch_graph import sequence_runs
@@ -341,3 +342,11 @@ def test_fusion_runs_linears_of_one_input_as_one_and_gives_the_same_result():
     linears = [args for fn, args in ctx.nodes if fn is torch_backend._linear]
     assert len(linears) == 1 and linears[0][1].codes.shape == (64, 64)
     assert torch.equal(ctx.compute(out)[0], expected)
+
+
+@pytest.mark.parametrize("vocab", [512, 262144])
+def test_top_indices_are_the_rows_k_largest(vocab):
+    logits = randn(3, vocab, seed=14)
+    got = torch_weights.top_indices(logits, 128)
+    expected = logits.topk(128, dim=-1).indices
+    assert torch.equal(got.sort(dim=-1).values, expected.sort(dim=-1).values)
