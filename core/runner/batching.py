@@ -124,12 +124,11 @@ class BatchStats:
 class BatchingActor:
     """Owns the model's forward passes; sequences join and leave between any two steps."""
 
-    def __init__(self, model: Any, cache: CausalCache, chain: SamplerChain, num_batch: int, limiter: trio.CapacityLimiter):
+    def __init__(self, model: Any, cache: CausalCache, chain: SamplerChain, num_batch: int):
         self.model = model
         self.cache = cache
         self.chain = chain
         self.num_batch = num_batch
-        self.limiter = limiter
         self.sequences: list[Sequence] = []
         self.stats = BatchStats()
         self._wake = trio.Event()

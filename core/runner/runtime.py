@@ -96,8 +96,7 @@ class Runtime:
         self.num_batch = num_batch
         self.chain = SamplerChain(plugins)
         self.cache = cache
-        self.limiter = trio.CapacityLimiter(1)  # one forward at a time per device
-        self.batcher = BatchingActor(model, self.cache, self.chain, num_batch, self.limiter)
+        self.batcher = BatchingActor(model, self.cache, self.chain, num_batch)  # steps run on the compute thread, one at a time
         self.slots = SlotPool(num_parallel)
         self.stats = RuntimeStats()
         self._nursery = nursery

@@ -1,20 +1,20 @@
 """The PyTorch backend: CPU and CUDA.
 
-Weights (precision "auto"): Q4_0, Q4_1 and Q4_K linears stay 4-bit, packed for torch's int4
-group-32 kernel with bf16 activations. Other linears (Q5_0, Q6_K, Q8_0, F16, ...), embeddings and
-the logits projection are dequantized once at load to float32 on CPU (fp32 BLAS is 2-10x faster
-than its bf16 path here, and logits are not rounded to bf16, which flips near-tie argmaxes) and
-to bf16 on CUDA. Precision "fp32" dequantizes everything to float32: the reference mode. The
-residual stream, norms and rope run in float32 either way. Measurements: BENCHMARKS.md.
+Weights (precision "auto", CPU; layouts in torch_weights.py): Q4_0/Q4_1/Q4_K linears stay 4-bit in
+torch's packed int4 layout; other quantized linears become int8 per row; float files stay float32;
+the logits come from a 4-bit copy with each row's best candidates recomputed exactly from the file;
+embeddings are read from the file's memory map. On CUDA, non-int4 linears are bf16. Precision
+"fp32" loads everything as float32: the reference mode. The residual stream, norms and rope run in
+float32. Measurements: BENCHMARKS.md.
 
-Batch invariance: a sequence's output must not depend on what it is batched with. The int4
-kernel and the attention (one call per sequence over its own cache region) already give each row
-the same bits whatever the batch; BLAS does not (it picks its algorithm by the row count), so a
-dense linear runs each sequence's prompt chunk as its own call and single rows in chunks of 2..8,
-which measured bit-identical for any chunk size.
+Batch invariance: a sequence's output must not depend on what it is batched with. The int kernels
+compute every row alone, and attention runs one call per sequence over its own cache region; BLAS
+does not (it picks its algorithm by the row count), so a float linear runs each sequence's prompt
+chunk as its own call and single rows in chunks of 2..8, and long prompt runs of the int layouts
+take float32 GEMMs chosen by the run's own length.
 
-Graphs are recorded as a list of (function, arguments) nodes and run eagerly by `compute()`; the
-recording is what lets a later step compile or replay decode-shaped graphs without model changes.
+Graphs are recorded as (function, arguments) nodes (torch_graph.py), rewritten once by the fusion
+pass (torch_fusion.py), reused for later batches of the same shape and run eagerly by `compute()`.
 """
 
 from __future__ import annotations

@@ -1,0 +1,40 @@
+"""The compute thread: every piece of tensor work of a process runs on one thread, off the event loop."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import trio
+
+from corral.runner import compute
+
+
+async def test_all_work_runs_on_one_thread_that_is_not_the_event_loops():
+    first = await compute.run(threading.get_ident)
+    second = await compute.run(threading.get_ident)
+    assert first == second != threading.get_ident()
+
+
+async def test_arguments_and_results_pass_through():
+    assert await compute.run(pow, 2, 10) == 1024 and await compute.run(int, "ff", base=16) == 255
+
+
+async def test_an_exception_reaches_the_caller():
+    with pytest.raises(ZeroDivisionError):
+        await compute.run(lambda: 1 / 0)
+
+
+async def test_a_cancelled_caller_waits_for_the_work_to_finish():
+    finished = []
+
+    def work():
+        time.sleep(0.2)
+        finished.append(True)
+
+    with trio.move_on_after(0.01) as scope:
+        await compute.run(work)
+        assert finished == [True]  # the work ran to its end although the deadline passed
+        await trio.sleep(0)  # the cancellation lands at the caller's next checkpoint
+    assert scope.cancelled_caught
