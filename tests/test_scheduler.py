@@ -54,24 +54,29 @@ async def queue_depth(http) -> float:
 
 async def test_queue_overflow_answers_503_at_once(nursery, seeded_store_root, tmp_path, monkeypatch):
     url = await start_server(nursery, seeded_store_root, tmp_path, monkeypatch, CORRAL_MAX_QUEUE=1, CORRAL_NUM_PARALLEL=1)
-    # A raw counting prompt keeps going (a chat answer could end early and leave nobody waiting).
-    long = {"model": "smollm2", "prompt": "1, 2, 3, 4, 5,", "raw": True, "stream": False, "options": {"num_predict": 400}}
+    # A raw counting prompt, greedy, keeps going (sampled, it may end early); streamed, it holds the
+    # one slot however fast the model is, until the client hangs up.
+    endless = {"model": "smollm2", "prompt": "1, 2, 3, 4, 5,", "raw": True, "options": {"num_predict": 3000, "temperature": 0}}
+    short = {"model": "smollm2", "prompt": "1, 2, 3,", "raw": True, "stream": False, "options": {"num_predict": 4}}
     statuses = []
     async with httpx.AsyncClient(base_url=url, timeout=300) as http:
         await http.post("/api/generate", json={"model": "smollm2", "prompt": ""})  # loaded before the rush
 
         async def post():
-            statuses.append((await http.post("/api/generate", json=long)).status_code)
+            statuses.append((await http.post("/api/generate", json=short)).status_code)
 
         async with trio.open_nursery() as requests:
-            requests.start_soon(post)  # takes the one slot
-            requests.start_soon(post)  # waits for it
-            with trio.fail_after(120):
-                while await queue_depth(http) < 1:
-                    await trio.sleep(0.05)
-            busy = await http.post("/api/generate", json=long)  # one too many: answered at once
-            assert busy.status_code == 503 and "server busy" in busy.json()["error"]
-    assert sorted(statuses) == [200, 200]
+            async with http.stream("POST", "/api/generate", json=endless) as first:
+                lines = first.aiter_lines()  # kept: a dropped iterator would close the stream
+                await lines.__anext__()  # generating: it has the slot
+                requests.start_soon(post)  # waits for it
+                with trio.fail_after(60):
+                    while await queue_depth(http) < 1:
+                        await trio.sleep(0.05)
+                busy = await http.post("/api/generate", json=short)  # one too many: answered at once
+                assert busy.status_code == 503 and "server busy" in busy.json()["error"]
+            # leaving the stream hangs up: the slot goes to the waiting request
+    assert statuses == [200]
 
 
 async def test_max_loaded_models_evicts_the_idle_model(nursery, seeded_store_root, tmp_path, monkeypatch):
