@@ -7,7 +7,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from tiny_gguf import VOCAB_SIZE, write_tiny_llama
+from tiny_gguf import VOCAB_SIZE, write_tensors, write_tiny_llama
 
 from corral.gguf import GGUFFile
 from corral.kvcache import CausalCache
@@ -159,15 +159,9 @@ def test_rescored_logits_of_no_rows_is_empty(logits_layer):
 def weights_file(tmp_path_factory) -> GGUFFile:
     path = tmp_path_factory.mktemp("weights") / "weights.gguf"
     rng = np.random.default_rng(0)
-    writer = gguf.GGUFWriter(str(path), "llama")
-    for name, qtype, shape in [("q4", Q.Q4_0, (32, 64)), ("q4_8rows", Q.Q4_0, (8, 64)), ("q8", Q.Q8_0, (16, 64)), ("f32", Q.F32, (16, 64))]:
-        values = rng.normal(0, 0.05, shape).astype(np.float32)
-        data = values if qtype == Q.F32 else gguf.quants.quantize(values, qtype)
-        writer.add_tensor(name, data, raw_dtype=None if qtype == Q.F32 else qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    shapes = {"q4": (Q.Q4_0, (32, 64)), "q4_8rows": (Q.Q4_0, (8, 64)), "q8": (Q.Q8_0, (16, 64)), "f32": (Q.F32, (16, 64))}
+    tensors = {name: (rng.normal(0, 0.05, shape).astype(np.float32), qtype) for name, (qtype, shape) in shapes.items()}
+    write_tensors(gguf.GGUFWriter(str(path), "llama"), tensors, rng)
     return GGUFFile.open(path)
 
 

@@ -149,17 +149,19 @@ def _write(
     missing = dropped - set(tensors.arrays)
     if missing:
         raise KeyError(f"cannot drop {sorted(missing)}: the model has no such tensors")
-    for name, array in tensors.arrays.items():
-        if name in dropped:
-            continue
-        qtype = types.get(name, Q.F32)
-        data = _encode(array, qtype, tensors.rng)
-        writer.add_tensor(name, data, raw_dtype=None if qtype == Q.F32 else qtype)
+    kept = {name: (array, types.get(name, Q.F32)) for name, array in tensors.arrays.items() if name not in dropped}
+    write_tensors(writer, kept, tensors.rng)
+    return os.fspath(path)
+
+
+def write_tensors(writer: gguf.GGUFWriter, tensors: dict[str, tuple[np.ndarray, Q]], rng: np.random.Generator) -> None:
+    """Add each float32 array encoded as its GGML type, then write the file out and close it."""
+    for name, (array, qtype) in tensors.items():
+        writer.add_tensor(name, _encode(array, qtype, rng), raw_dtype=None if qtype == Q.F32 else qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return os.fspath(path)
 
 
 def write_tiny_llama(
