@@ -35,7 +35,7 @@ class StackedRows:
 def stack_weights(weights: list[Any]) -> Any | None:
     """One weight computing all of `weights`' outputs side by side, or None when they cannot be stacked."""
     kinds = {type(w) for w in weights}
-    if kinds not in ({Int4Weight}, {Int8Weight}) or len({_in_features(w) for w in weights}) != 1:
+    if kinds not in ({Int4Weight}, {Int8Weight}) or len({w.in_features for w in weights}) != 1:
         return None
     sources = [w.source for w in weights]
     source = StackedRows(tuple(sources)) if all(sources) else None
@@ -57,10 +57,6 @@ def stack_weights(weights: list[Any]) -> Any | None:
         _share_rows([w.scales for w in weights], stacked.scales)
         return stacked
     return None
-
-
-def _in_features(weight: Any) -> int:
-    return weight.in_features if isinstance(weight, Int4Weight) else weight.codes.shape[1]
 
 
 def _share_rows(parts: list[torch.Tensor], stacked: torch.Tensor) -> None:
@@ -88,9 +84,8 @@ def fuse_linears(graph: Graph, outputs: tuple[Node, ...], linear: Callable, stac
         starts[members[0]] = stacked
         column = 0
         for i, weight in zip(members, weights):
-            width = weight.out_features if isinstance(weight, Int4Weight) else weight.codes.shape[0]
-            slices[i] = (members[0], column, column + width)
-            column += width
+            slices[i] = (members[0], column, column + weight.out_features)
+            column += weight.out_features
     if not starts:
         return outputs
     nodes, renumber = [], {}

@@ -195,6 +195,14 @@ class Int8Weight:
         return cls(codes, scales, MappedRows(raw, qtype, cols))
 
     @property
+    def out_features(self) -> int:
+        return self.codes.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.codes.shape[1]
+
+    @property
     def nbytes(self) -> int:
         return self.codes.nbytes + self.scales.nbytes
 
