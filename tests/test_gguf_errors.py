@@ -153,3 +153,10 @@ def test_tensor_shapes_types_and_bytes_match_gguf_reader(tmp_path):
         assert info.shape == tuple(int(d) for d in reversed(tensor.shape))
         assert info.qtype == tensor.tensor_type
         assert opened.raw(tensor.name).tobytes() == np.asarray(tensor.data).tobytes()
+
+
+def test_dropping_resident_pages_keeps_every_tensors_bytes(tmp_path):
+    opened = GGUFFile.open(write_tiny_llama(tmp_path / "tiny.gguf"))
+    before = {name: opened.raw(name).copy() for name in opened.tensors}
+    opened.drop_resident_pages()
+    assert all(np.array_equal(opened.raw(name), data) for name, data in before.items())

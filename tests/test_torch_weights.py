@@ -98,6 +98,19 @@ def test_int8_matmul_of_single_rows_matches_the_dequantized_weight_to_bf16_round
     torch.testing.assert_close(q.matmul(x, None).float(), expected, rtol=0, atol=1e-2 * expected.abs().max().item())
 
 
+def test_int4_matmul_of_a_long_run_uses_the_files_exact_weights():
+    raw, exact = quantized_rows(Q.Q4_0, rows=32, cols=64, seed=15)
+    codes, scales, zeros = torch_quant.int4_codes(raw, Q.Q4_0, 64)
+    packed, sz = torch_quant.pack_int4_for_cpu(codes, scales, zeros)
+    weight = Int4Weight(packed, sz, 32, 64, MappedRows(raw, Q.Q4_0, 64))
+    x = randn(DEQUANT_ROWS + 3, 64, seed=16)
+    got = weight.matmul(x, [(0, DEQUANT_ROWS + 3)]).float()
+    torch.testing.assert_close(got, (x @ exact.T).bfloat16().float(), rtol=0, atol=1e-6)
+    # single rows take the int4 kernel: same values to its bf16 rounding
+    alone = weight.matmul(x[:2], [(0, 1), (1, 2)]).float()
+    torch.testing.assert_close(alone, x[:2] @ exact.T, rtol=0, atol=2e-2 * float((x[:2] @ exact.T).abs().max()))
+
+
 # --- MappedRows and RescoredLogits ----------------------------------------------------------------------
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0], ids=lambda q: q.name)
 def test_mapped_rows_equal_dequantize_of_the_same_raw_rows(qtype):
