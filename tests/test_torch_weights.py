@@ -19,7 +19,8 @@ from corral.plugins.backends.torch import TorchBackend
 from corral.plugins.backends.torch_fusion import stack_weights
 from corral.plugins.backends.torch_graph import sequence_runs
 from corral.plugins.backends.torch_weights import (
-    DEQUANT_ROWS, RESCORE_TOP, DenseWeight, Int4Weight, Int8Weight, MappedRows, RescoredLogits, requantized_int4,
+    LONG_RUN_ROWS, RESCORE_TOP, DenseWeight, Int4Weight, Int8Weight, MappedRows, RescoredLogits, int8_matmul,
+    requantized_int4,
 )
 from corral.registry import Plugins
 
@@ -73,7 +74,7 @@ def test_int8_matmul_rows_are_the_same_alone_and_batched(weight):
 
 def test_int8_matmul_single_rows_next_to_a_long_run_are_the_same_as_alone(weight):
     q = Int8Weight.quantize(weight)
-    n = DEQUANT_ROWS
+    n = LONG_RUN_ROWS
     x = randn(n + 2, 64, seed=2)
     batched = q.matmul(x, [(0, n), (n, n + 1), (n + 1, n + 2)])
     assert torch.equal(batched[:n], q.matmul(x[:n], [(0, n)]))
@@ -81,7 +82,7 @@ def test_int8_matmul_single_rows_next_to_a_long_run_are_the_same_as_alone(weight
         assert torch.equal(batched[i], q.matmul(x[i : i + 1], [(0, 1)])[0])
 
 
-@pytest.mark.parametrize("rows", [DEQUANT_ROWS, DEQUANT_ROWS + 9])
+@pytest.mark.parametrize("rows", [LONG_RUN_ROWS, LONG_RUN_ROWS + 9])
 def test_int8_matmul_of_a_long_run_matches_the_dequantized_weight(weight, rows):
     q = Int8Weight.quantize(weight)
     x = randn(rows, 64, seed=3)
@@ -89,6 +90,28 @@ def test_int8_matmul_of_a_long_run_matches_the_dequantized_weight(weight, rows):
     got = q.matmul(x, [(0, rows)]).float()
     assert got.shape == (rows, 24)
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-2 * expected.abs().max().item())
+
+
+def test_int8_prompt_path_matches_the_int8_weights_closely_despite_an_outlier_feature(weight):
+    q = Int8Weight.quantize(weight)
+    x = randn(LONG_RUN_ROWS + 5, 64, seed=7)
+    x[:, 3] *= 200  # one feature far larger than the rest, as real residual streams have
+    x[4] = 0
+    expected = x.double() @ q.dequantized().double().T
+    got = int8_matmul(x, q.codes, q.scales)
+    assert got.dtype == torch.float32 and torch.equal(got[4], torch.zeros(24))
+    # two int8 levels leave ~1/32000 of each row's largest value; one level would leave ~1/254
+    for row in range(len(x)):
+        bound = 1e-4 * float(x[row].abs().max() * q.dequantized().abs().sum(dim=1).max())
+        assert (got[row].double() - expected[row]).abs().max() <= bound
+
+
+def test_int8_prompt_path_rows_are_the_same_alone_and_batched(weight):
+    q = Int8Weight.quantize(weight)
+    x = randn(40, 64, seed=8)
+    batched = int8_matmul(x, q.codes, q.scales)
+    for i in (0, 17, 39):
+        assert torch.equal(int8_matmul(x[i : i + 1], q.codes, q.scales)[0], batched[i])
 
 
 def test_int8_matmul_of_single_rows_matches_the_dequantized_weight_to_bf16_rounding(weight):
@@ -103,8 +126,8 @@ def test_int4_matmul_of_a_long_run_uses_the_files_exact_weights():
     codes, scales, zeros = torch_quant.int4_codes(raw, Q.Q4_0, 64)
     packed, sz = torch_quant.pack_int4_for_cpu(codes, scales, zeros)
     weight = Int4Weight(packed, sz, 32, 64, MappedRows(raw, Q.Q4_0, 64))
-    x = randn(DEQUANT_ROWS + 3, 64, seed=16)
-    got = weight.matmul(x, [(0, DEQUANT_ROWS + 3)]).float()
+    x = randn(LONG_RUN_ROWS + 3, 64, seed=16)
+    got = weight.matmul(x, [(0, LONG_RUN_ROWS + 3)]).float()
     torch.testing.assert_close(got, (x @ exact.T).bfloat16().float(), rtol=0, atol=1e-6)
     # single rows take the int4 kernel: same values to its bf16 rounding
     alone = weight.matmul(x[:2], [(0, 1), (1, 2)]).float()

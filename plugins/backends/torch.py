@@ -11,7 +11,7 @@ Batch invariance: a sequence's output must not depend on what it is batched with
 compute every row alone, and attention runs one call per sequence over its own cache region; BLAS
 does not (it picks its algorithm by the row count), so a float linear runs each sequence's prompt
 chunk as its own call and single rows in chunks of 2..8, and long prompt runs of the int layouts
-take float32 GEMMs chosen by the run's own length.
+take their prompt paths (torch_weights.py) chosen by the run's own length.
 
 Graphs are recorded as (function, arguments) nodes (torch_graph.py), rewritten once by the fusion
 pass (torch_fusion.py), reused for later batches of the same shape and run eagerly by `compute()`.

@@ -37,9 +37,9 @@ def stack_weights(weights: list[Any]) -> Any | None:
     kinds = {type(w) for w in weights}
     if kinds not in ({Int4Weight}, {Int8Weight}) or len({w.in_features for w in weights}) != 1:
         return None
-    sources = [w.source for w in weights]
-    source = StackedRows(tuple(sources)) if all(sources) else None
     if kinds == {Int4Weight}:
+        sources = [w.source for w in weights]
+        source = StackedRows(tuple(sources)) if all(sources) else None
         if any(w.packed.device.type != "cpu" or w.out_features % INT4_STACK_ROWS for w in weights):
             return None
         stacked = Int4Weight(
@@ -52,7 +52,7 @@ def stack_weights(weights: list[Any]) -> Any | None:
         _share_rows([w.packed for w in weights], stacked.packed)
         return stacked
     if kinds == {Int8Weight}:
-        stacked = Int8Weight(torch.cat([w.codes for w in weights]), torch.cat([w.scales for w in weights]), source)
+        stacked = Int8Weight(torch.cat([w.codes for w in weights]), torch.cat([w.scales for w in weights]))
         _share_rows([w.codes for w in weights], stacked.codes)
         _share_rows([w.scales for w in weights], stacked.scales)
         return stacked
