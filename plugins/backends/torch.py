@@ -239,24 +239,31 @@ def _linear(x: torch.Tensor, weight: Any, bias: torch.Tensor | None, runs: list[
     return y if bias is None else y + bias
 
 
-def _rope_table(positions: torch.Tensor, dims: int, base: float, scale: float, neox: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and signed sin [n, 1, dims] laid out like the features they multiply (halves or pairs)."""
+def _rope_table(positions: torch.Tensor, dims: int, base: float, scale: float, neox: bool) -> Any:
+    """The rotation of each position, laid out like the features it turns: for adjacent pairs, the
+    complex unit e^(i angle) [n, 1, dims/2]; for halves, cos and signed sin [n, 1, dims]."""
     inv_freq = 1.0 / (base ** (torch.arange(0, dims, 2, device=positions.device, dtype=torch.float32) / dims))
     angles = (positions.float() * scale)[:, None] * inv_freq[None, :]  # [n, dims/2]
+    if not neox:
+        return torch.polar(torch.ones_like(angles), angles)[:, None, :]
     cos, sin = angles.cos(), angles.sin()
-    if neox:
-        return torch.cat((cos, cos), -1)[:, None, :], torch.cat((-sin, sin), -1)[:, None, :]
-    return torch.stack((cos, cos), -1).flatten(-2)[:, None, :], torch.stack((-sin, sin), -1).flatten(-2)[:, None, :]
+    return torch.cat((cos, cos), -1)[:, None, :], torch.cat((-sin, sin), -1)[:, None, :]
 
 
-def _rope(x: torch.Tensor, table: tuple[torch.Tensor, torch.Tensor], dims: int, neox: bool) -> torch.Tensor:
-    # x: [n, heads, head_dim]; only the first `dims` features rotate. A rotation of (a, b) is
-    # (a cos - b sin, b cos + a sin): x * cos + swapped(x) * signed sin, three kernels.
-    cos, sin = table
+def _rope(x: torch.Tensor, table: Any, dims: int, neox: bool) -> torch.Tensor:
+    # x: [n, heads, head_dim]; only the first `dims` features rotate. Adjacent pairs (a, b) are the
+    # complex number a + ib, turned by one complex product; halves rotate as x * cos +
+    # swapped(x) * signed sin, three kernels.
     partial = dims < x.shape[-1]
     rot = x[..., :dims] if partial else x
-    swapped = rot.roll(dims // 2, dims=-1) if neox else rot.unflatten(-1, (dims // 2, 2)).flip(-1).flatten(-2)
-    out = torch.addcmul(rot * cos, swapped, sin)
+    if neox:
+        cos, sin = table
+        out = torch.addcmul(rot * cos, rot.roll(dims // 2, dims=-1), sin)
+    else:
+        pairs = rot.float().unflatten(-1, (dims // 2, 2))
+        if pairs.storage_offset() % 2:  # a complex view needs pairs aligned to their size
+            pairs = pairs.contiguous()
+        out = torch.view_as_real(torch.view_as_complex(pairs) * table).flatten(-2)
     return torch.cat((out, x[..., dims:].float()), dim=-1) if partial else out
 
 
