@@ -138,7 +138,7 @@ class CacheView:
     """What the attention op needs for one batch, per layer: where to write, and each sequence's keys."""
 
     cache: CausalCache
-    slots: dict[int, Any]  # pool index -> native int64 [rows] cell of each batch row
+    slots: dict[int, Any]  # pool index -> cell of each batch row: a slice when consecutive, else native int64 [rows]
     groups: dict[int, list[SeqGroup]]  # pool index -> one group per sequence in the batch
 
     def keys(self, layer: int) -> Any:
@@ -194,7 +194,7 @@ class CausalCache:
         """Claim cells for the batch's tokens in every pool and describe what each sequence attends to."""
         slots, groups = {}, {}
         for index, pool in enumerate(self.pools):
-            slots[index] = self.backend.from_numpy(pool.allocate(batch))
+            slots[index] = self._rows(pool.allocate(batch))  # a decode row's cell is a slice: written in place
             groups[index] = [
                 # Every used cell visible (a decode row without holes or window): no mask to apply.
                 SeqGroup(self._rows(rows), start, used, None if mask.all() else self.backend.from_numpy(mask))
@@ -203,8 +203,8 @@ class CausalCache:
         return CacheView(self, slots, groups)
 
     def _rows(self, rows: np.ndarray) -> Any:
-        if rows[-1] - rows[0] + 1 == len(rows):
-            return slice(int(rows[0]), int(rows[-1]) + 1)  # contiguous: a view, no gather
+        if len(rows) == 1 or (np.diff(rows) == 1).all():
+            return slice(int(rows[0]), int(rows[-1]) + 1)  # consecutive: a view, no gather
         return self.backend.from_numpy(rows)
 
     def remove(self, seq: int, start: int = 0, end: int | None = None) -> None:

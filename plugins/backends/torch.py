@@ -269,9 +269,9 @@ def _rope(x: torch.Tensor, table: Any, dims: int, neox: bool) -> torch.Tensor:
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Any, layer: int, scale: float) -> torch.Tensor:
     keys, values = cache.keys(layer), cache.values(layer)  # [kv_heads, cells, dim]
-    slots = cache.layer_slots(layer)
-    keys.index_copy_(1, slots, k.transpose(0, 1).to(keys.dtype))
-    values.index_copy_(1, slots, v.transpose(0, 1).to(values.dtype))
+    cells = cache.layer_slots(layer)
+    _write_cells(keys, cells, k)
+    _write_cells(values, cells, v)
     gqa = q.shape[1] != k.shape[1]
     queries = q.transpose(0, 1)  # [heads, n, dim]
     groups = cache.layer_groups(layer)
@@ -283,6 +283,14 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Any, la
     for group, result in zip(groups, attended):
         out[group.rows] = result.transpose(0, 1)
     return out.reshape(q.shape[0], -1)
+
+
+def _write_cells(buffer: torch.Tensor, cells: Any, new: torch.Tensor) -> None:
+    """Store rows [n, heads, dim] into cache cells (a slice or an index) of buffer [heads, cells, dim]."""
+    if isinstance(cells, slice):
+        buffer[:, cells].copy_(new.transpose(0, 1))  # one kernel, converting as it copies
+    else:
+        buffer.index_copy_(1, cells, new.transpose(0, 1).to(buffer.dtype))
 
 
 def _sequence_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, group: Any, scale: float, gqa: bool) -> torch.Tensor:
