@@ -21,7 +21,7 @@ from gguf import LlamaFileType
 from corral.errors import CorralError, UnknownArchitectureError
 from corral.gguf import GGUFFile
 from corral.kvcache import CausalCache
-from corral.memory import release_freed_memory
+from corral.memory import release_freed_memory, reuse_large_buffers
 from corral.model import Batch
 from corral.options import parse_options
 from corral.registry import Plugins
@@ -226,6 +226,7 @@ def load_model(
     plugins = plugins or Plugins()
     path = resolve_model_path(name_or_path)
     start = time.perf_counter()
+    reuse_large_buffers()
     gguf = GGUFFile.open(path)
     arch = gguf.architecture
     architectures = plugins.architectures()

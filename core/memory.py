@@ -117,6 +117,30 @@ def available_bytes() -> int | None:
     return None
 
 
+# glibc mallopt parameters (malloc.h) and the values corral sets; see reuse_large_buffers.
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+MMAP_THRESHOLD_BYTES = 32 << 20  # glibc's largest allowed on 64-bit
+TRIM_THRESHOLD_BYTES = 128 << 20
+
+
+def reuse_large_buffers() -> None:
+    """Keep freed activation buffers in the heap for the next step to reuse.
+
+    With glibc's dynamic thresholds, whether a step's freed buffers are unmapped (and the next
+    step faults all their pages in again) depends on the order of earlier frees: a third of the
+    processes page-faulted ~900 MB in every 512-token gemma3 prefill (0.80 s instead of 0.56 s).
+    Fixed thresholds (big buffers from the heap, its top trimmed only past 128 MB) make every
+    process take the fast path. Memory freed at load time is still handed back by
+    `release_freed_memory`.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
+        libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)
+    except (OSError, AttributeError):
+        pass  # not glibc: its allocator has its own policy
+
+
 def release_freed_memory() -> None:
     """Hand memory freed after a load (conversion buffers, tokenizer building) back to the system.
 
