@@ -159,16 +159,16 @@ def _two_levels(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     return torch.cat((q1, q2)).to(torch.int8), s1, s2
 
 
-TOP_BLOCK = 256
+TOP_BLOCK = 32  # measured best for 49k and 262k vocabularies (71 / 116 us for the top 128)
 
 
 def top_indices(logits: torch.Tensor, k: int) -> torch.Tensor:
     """Indices of each row's k largest values (as a set, in no particular order).
 
-    Over a large vocabulary, in two stages: the k blocks of 256 with the largest maxima hold every
-    value of the top k (a block without one has a maximum below the k-th value), so one topk over
-    the block maxima and one over those blocks' values replace a topk over all of it (1.2 ms ->
-    0.3 ms for 262144 logits).
+    Over a large vocabulary, in two stages: the k blocks of TOP_BLOCK with the largest maxima hold
+    every value of the top k (a block without one has a maximum below the k-th value), so one topk
+    over the block maxima and one over those blocks' values replace a topk over all of it (0.80 ->
+    0.12 ms for 262144 logits, 0.16 -> 0.07 ms for 49152).
     """
     rows, vocab = logits.shape
     if vocab % TOP_BLOCK or vocab // TOP_BLOCK < 4 * k:
