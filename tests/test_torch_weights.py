@@ -312,6 +312,33 @@ def test_graph_fed_a_copy_of_the_batchs_tokens_is_not_replayable(llama_path):
     assert ctx.replayable
 
 
+# --- attention ------------------------------------------------------------------------------------
+def attention_rows(order: list[int], new_rows: int = 3) -> dict[tuple[int, int], torch.Tensor]:
+    """Attention output of each (sequence, position) row when 2 sequences' next rows come in `order`."""
+    from corral.model import CacheLayer
+
+    cache = CausalCache(TorchBackend("cpu"), [CacheLayer(kv_heads=2, key_dim=8, value_dim=8)], 128, num_seqs=2)
+    for seq in (0, 1):  # a 40-row prompt each (the float32 prompt path), then `new_rows` decode-length runs
+        cache.prepare(Batch(np.zeros(40, np.int64), np.arange(40), np.full(40, seq), np.array([39])))
+    seqs = np.array(order)
+    positions = np.array([40 + int((seqs[:i] == s).sum()) for i, s in enumerate(seqs)])
+    view = cache.prepare(Batch(np.zeros(len(seqs), np.int64), positions, seqs, np.arange(len(seqs))))
+    q, k, v = (randn(len(seqs), heads, 8, seed=20 + heads) for heads in (4, 2, 2))
+    for i in range(len(seqs)):  # each row's own q/k/v, whatever its place in the batch
+        row_seed = 100 * int(seqs[i]) + int(positions[i])
+        q[i], k[i], v[i] = randn(4, 8, seed=row_seed), randn(2, 8, seed=row_seed + 1), randn(2, 8, seed=row_seed + 2)
+    out = torch_backend._attention(q, k, v, view, 0, 0.35)
+    return {(int(s), int(p)): out[i] for i, (s, p) in enumerate(zip(seqs, positions))}
+
+
+def test_attention_rows_are_the_same_whatever_order_the_sequences_interleave_in():
+    in_order = attention_rows([0, 0, 0, 1, 1, 1])
+    interleaved = attention_rows([1, 0, 0, 1, 0, 1])
+    assert in_order.keys() == interleaved.keys()
+    for row, value in in_order.items():
+        assert value.shape == (32,) and torch.equal(value, interleaved[row]), row
+
+
 # --- sequence_runs ----------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("sequences", "runs"),

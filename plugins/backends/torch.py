@@ -272,16 +272,24 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Any, la
     cells = cache.layer_slots(layer)
     _write_cells(keys, cells, k)
     _write_cells(values, cells, v)
-    gqa = q.shape[1] != k.shape[1]
-    queries = q.transpose(0, 1)  # [heads, n, dim]
     groups = cache.layer_groups(layer)
-    # One call per sequence over its own cells only: its result never depends on the batch.
-    attended = [_sequence_attention(queries[:, group.rows], keys, values, group, scale, gqa) for group in groups]
-    if len(groups) == 1:
-        return attended[0].transpose(0, 1).reshape(q.shape[0], -1)
-    out = keys.new_empty((q.shape[0], q.shape[1], values.shape[-1]))
-    for group, result in zip(groups, attended):
-        out[group.rows] = result.transpose(0, 1)
+    # One call per sequence over its own cells only: its result never depends on the batch. A
+    # prompt run of FLOAT_ATTENTION_ROWS rows or more computes in float32 (the CPU kernel is ~1.8x
+    # faster there than in bf16), chosen by the run's own length.
+    dtypes = [torch.float32 if _row_count(group.rows) >= FLOAT_ATTENTION_ROWS else keys.dtype for group in groups]
+    queries = {dtype: q.to(dtype).transpose(0, 1).unsqueeze(0) for dtype in set(dtypes)}  # [1, heads, n, dim]
+    keys, values = keys.unsqueeze(0), values.unsqueeze(0)
+    gqa = q.shape[1] != k.shape[1]
+    attended = [
+        _sequence_attention(queries[dtype][:, :, group.rows], keys, values, group, scale, gqa)
+        for group, dtype in zip(groups, dtypes)
+    ]
+    if _in_row_order(groups, q.shape[0]):
+        out = attended[0] if len(attended) == 1 else torch.cat(attended)
+    else:
+        out = keys.new_empty((q.shape[0], q.shape[1], values.shape[-1]))
+        for group, result in zip(groups, attended):
+            out[group.rows] = result
     return out.reshape(q.shape[0], -1)
 
 
@@ -293,20 +301,32 @@ def _write_cells(buffer: torch.Tensor, cells: Any, new: torch.Tensor) -> None:
         buffer.index_copy_(1, cells, new.transpose(0, 1).to(buffer.dtype))
 
 
-def _sequence_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, group: Any, scale: float, gqa: bool) -> torch.Tensor:
-    """One sequence's attention [heads, rows, dim] over its cells, in the cache's dtype. A prompt run of
-    FLOAT_ATTENTION_ROWS rows or more computes in float32 (the CPU kernel is ~1.8x faster there than
-    in bf16); the choice follows the run's own length, so it never depends on the batch."""
+def _sequence_attention(
+    queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, group: Any, scale: float, gqa: bool
+) -> torch.Tensor:
+    """One sequence's attention [rows, heads, dim], in the cache's dtype, computed in the queries'
+    dtype: queries [1, heads, rows, dim] over its cells of keys and values [1, kv_heads, cells, dim]."""
     cells = slice(group.start, group.start + group.used)
-    dtype = torch.float32 if queries.shape[1] >= FLOAT_ATTENTION_ROWS else keys.dtype
-    return F.scaled_dot_product_attention(
-        queries.to(dtype).unsqueeze(0),
-        keys[:, cells].to(dtype).unsqueeze(0),
-        values[:, cells].to(dtype).unsqueeze(0),
-        attn_mask=group.mask,
-        scale=scale,
-        enable_gqa=gqa,
-    )[0].to(keys.dtype)
+    cached = keys.dtype
+    keys, values = keys[:, :, cells], values[:, :, cells]
+    if queries.dtype != cached:
+        keys, values = keys.to(queries.dtype), values.to(queries.dtype)
+    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=group.mask, scale=scale, enable_gqa=gqa)[0]
+    return out.transpose(0, 1) if out.dtype == cached else out.transpose(0, 1).to(cached)
+
+
+def _row_count(rows: Any) -> int:
+    return rows.stop - rows.start if isinstance(rows, slice) else len(rows)
+
+
+def _in_row_order(groups: list[Any], rows: int) -> bool:
+    """Whether the groups' rows are consecutive slices covering all `rows` in order (their results then just concatenate)."""
+    start = 0
+    for group in groups:
+        if not isinstance(group.rows, slice) or group.rows.start != start:
+            return False
+        start = group.rows.stop
+    return start == rows
 
 
 def _cached_keys(keys: torch.Tensor, cells: torch.Tensor) -> torch.Tensor:
