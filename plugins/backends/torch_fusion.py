@@ -9,6 +9,7 @@ into its storage, so nothing is held twice.
 
 from __future__ import annotations
 
+import operator
 from typing import Any, Callable
 
 import attrs
@@ -74,22 +75,20 @@ def fuse_linears(graph: Graph, outputs: tuple[Node, ...], linear: Callable, stac
     for i, (fn, args) in enumerate(graph.nodes):
         if fn is linear and type(args[0]) is Node and args[2] is None:
             groups.setdefault(args[0].index, []).append(i)
-    starts: dict[int, Any] = {}  # first member -> stacked weight
-    slices: dict[int, tuple[int, int, int]] = {}  # member -> (first member, start, stop) columns
+    starts: dict[int, tuple[Any, list[int]]] = {}  # first member -> stacked weight, column widths
+    slices: dict[int, tuple[int, int]] = {}  # member -> (first member, its part)
     for members in groups.values():
         weights = [graph.nodes[i][1][1] for i in members]
         stacked = stacked_for(weights) if len(members) > 1 else None
         if stacked is None:
             continue
-        starts[members[0]] = stacked
-        column = 0
-        for i, weight in zip(members, weights):
-            slices[i] = (members[0], column, column + weight.out_features)
-            column += weight.out_features
+        starts[members[0]] = (stacked, [weight.out_features for weight in weights])
+        for part, i in enumerate(members):
+            slices[i] = (members[0], part)
     if not starts:
         return outputs
     nodes, renumber = [], {}
-    fused_at: dict[int, int] = {}
+    parts_at: dict[int, int] = {}  # first member -> the node splitting the fused output
 
     def moved(args: tuple) -> tuple:
         return tuple(Node(graph, renumber[a.index]) if type(a) is Node else a for a in args)
@@ -97,17 +96,19 @@ def fuse_linears(graph: Graph, outputs: tuple[Node, ...], linear: Callable, stac
     for i, (fn, args) in enumerate(graph.nodes):
         if i in starts:
             x, _, _, runs = moved(args)
-            fused_at[i] = len(nodes)
-            nodes.append((linear, (x, starts[i], None, runs)))
+            stacked, widths = starts[i]
+            nodes.append((linear, (x, stacked, None, runs)))
+            parts_at[i] = len(nodes)
+            nodes.append((_split_columns, (Node(graph, len(nodes) - 1), widths)))
         renumber[i] = len(nodes)
         if i in slices:
-            first, start, stop = slices[i]
-            nodes.append((_columns, (Node(graph, fused_at[first]), start, stop)))
+            first, part = slices[i]
+            nodes.append((operator.getitem, (Node(graph, parts_at[first]), part)))  # a view: no kernel
         else:
             nodes.append((fn, moved(args)))
     graph.nodes = nodes
     return tuple(Node(graph, renumber[out.index]) for out in outputs)
 
 
-def _columns(y: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-    return y[:, start:stop]
+def _split_columns(y: torch.Tensor, widths: list[int]) -> tuple[torch.Tensor, ...]:
+    return y.split_with_sizes(widths, dim=-1)  # one call for all parts (Tensor.split adds Python)
