@@ -339,6 +339,39 @@ def test_attention_rows_are_the_same_whatever_order_the_sequences_interleave_in(
         assert value.shape == (32,) and torch.equal(value, interleaved[row]), row
 
 
+def decode_rows(lengths: dict[int, int], order: list[int]) -> dict[int, torch.Tensor]:
+    """Attention output of one decode row per sequence in `order`, each sequence holding `lengths[seq]` cells."""
+    from corral.model import CacheLayer
+
+    cache = CausalCache(TorchBackend("cpu"), [CacheLayer(kv_heads=2, key_dim=8, value_dim=8)], 4 * 64, num_seqs=4)
+    for seq, length in lengths.items():
+        view = cache.prepare(Batch(np.zeros(length, np.int64), np.arange(length), np.full(length, seq), np.array([length - 1])))
+        keys = randn(length, 2, 8, seed=seq)  # distinct cached keys and values per sequence
+        torch_backend._attention(randn(length, 4, 8, seed=50 + seq), keys, keys * 0.5, view, 0, 0.35)
+    seqs = np.array(order)
+    positions = np.array([lengths[s] for s in order])
+    view = cache.prepare(Batch(np.zeros(len(seqs), np.int64), positions, seqs, np.arange(len(seqs))))
+    q = torch.stack([randn(4, 8, seed=200 + s) for s in order])
+    k = torch.stack([randn(2, 8, seed=300 + s) for s in order])
+    out = torch_backend._attention(q, k, k * 2, view, 0, 0.35)
+    return {int(s): out[i] for i, s in enumerate(seqs)}
+
+
+@pytest.mark.parametrize(
+    "lengths, order",
+    [
+        ({0: 9, 1: 9, 2: 9, 3: 9}, [0, 1, 2, 3]),  # regions evenly spaced: one call over a view
+        ({0: 9, 1: 9, 2: 9, 3: 9}, [3, 0, 2]),  # unevenly spaced: gathered
+        ({0: 9, 1: 5, 2: 9, 3: 5}, [2, 1, 0, 3]),  # two lengths: two calls
+    ],
+)
+def test_decode_rows_attend_the_same_batched_as_alone(lengths, order):
+    batched = decode_rows(lengths, order)
+    for seq in order:
+        alone = decode_rows({seq: lengths[seq]}, [seq])[seq]
+        assert alone.shape == (32,) and torch.equal(batched[seq], alone), seq
+
+
 # --- sequence_runs ----------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("sequences", "runs"),
