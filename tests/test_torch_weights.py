@@ -14,6 +14,7 @@ from corral.kvcache import CausalCache
 from corral.model import Batch
 from corral.plugins.backends import torch_quant
 from corral.plugins.backends import torch as torch_backend
+from corral.plugins.backends import torch_attention
 from corral.plugins.backends import torch_weights
 from corral.plugins.backends.torch import TorchBackend
 from corral.plugins.backends.torch_fusion import stack_weights
@@ -327,7 +328,7 @@ def attention_rows(order: list[int], new_rows: int = 3) -> dict[tuple[int, int],
     for i in range(len(seqs)):  # each row's own q/k/v, whatever its place in the batch
         row_seed = 100 * int(seqs[i]) + int(positions[i])
         q[i], k[i], v[i] = randn(4, 8, seed=row_seed), randn(2, 8, seed=row_seed + 1), randn(2, 8, seed=row_seed + 2)
-    out = torch_backend._attention(q, k, v, view, 0, 0.35)
+    out = torch_attention.attention(q, k, v, view, 0, 0.35)
     return {(int(s), int(p)): out[i] for i, (s, p) in enumerate(zip(seqs, positions))}
 
 
@@ -347,13 +348,13 @@ def decode_rows(lengths: dict[int, int], order: list[int]) -> dict[int, torch.Te
     for seq, length in lengths.items():
         view = cache.prepare(Batch(np.zeros(length, np.int64), np.arange(length), np.full(length, seq), np.array([length - 1])))
         keys = randn(length, 2, 8, seed=seq)  # distinct cached keys and values per sequence
-        torch_backend._attention(randn(length, 4, 8, seed=50 + seq), keys, keys * 0.5, view, 0, 0.35)
+        torch_attention.attention(randn(length, 4, 8, seed=50 + seq), keys, keys * 0.5, view, 0, 0.35)
     seqs = np.array(order)
     positions = np.array([lengths[s] for s in order])
     view = cache.prepare(Batch(np.zeros(len(seqs), np.int64), positions, seqs, np.arange(len(seqs))))
     q = torch.stack([randn(4, 8, seed=200 + s) for s in order])
     k = torch.stack([randn(2, 8, seed=300 + s) for s in order])
-    out = torch_backend._attention(q, k, k * 2, view, 0, 0.35)
+    out = torch_attention.attention(q, k, k * 2, view, 0, 0.35)
     return {int(s): out[i] for i, s in enumerate(seqs)}
 
 
