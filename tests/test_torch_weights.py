@@ -17,6 +17,7 @@ from corral.plugins.backends import torch as torch_backend
 from corral.plugins.backends import torch_attention
 from corral.plugins.backends import torch_weights
 from corral.plugins.backends.torch import TorchBackend
+from corral.plugins.backends import torch_fusion
 from corral.plugins.backends.torch_fusion import stack_weights
 from corral.plugins.backends.torch_graph import sequence_runs
 from corral.plugins.backends.torch_weights import (
@@ -441,3 +442,16 @@ def test_top_indices_are_the_rows_k_largest(vocab):
     got = torch_weights.top_indices(logits, 128)
     expected = logits.topk(128, dim=-1).indices
     assert torch.equal(got.sort(dim=-1).values, expected.sort(dim=-1).values)
+
+
+def test_q_and_k_rotate_in_one_rope_call_with_the_same_bits(tmp_path):
+    # int8 q/k/v stack into one linear, whose q and k column parts then rotate together
+    types = {f"blk.{i}.attn_{part}.weight": Q.Q8_0 for i in range(2) for part in "qkv"}
+    path = write_tiny_llama(tmp_path / "int8_qkv.gguf", tensor_types=types)
+    reused, _, backend = run_reused(path, "auto")  # graphs rewritten by the fusion passes
+    _, graph, _ = backend._graphs._graphs[(1, 1)]
+    ropes = [args for fn, args in graph.nodes if fn is torch_backend._rope]
+    assert len(ropes) == 2  # one per layer of the tiny model, q and k together
+    assert all(graph.nodes[args[0].index][0] is torch_fusion._column_heads for args in ropes)
+    for got, expected in zip(reused, run_fresh(path, "auto")):  # recorded as written: two ropes a layer
+        assert torch.equal(got, expected)

@@ -35,7 +35,7 @@ from corral.model import Batch
 from corral.hookspecs import hookimpl
 from corral.plugins.backends import torch_quant
 from corral.plugins.backends.torch_attention import attention
-from corral.plugins.backends.torch_fusion import fuse_linears, stack_weights
+from corral.plugins.backends.torch_fusion import fuse_linears, fuse_ropes, stack_weights
 from corral.plugins.backends.torch_graph import Graph, GraphCache, Node, Slot
 from corral.plugins.backends.torch_weights import DenseWeight, Int4Weight, Int8Weight, MappedRows, RescoredLogits, requantized_int4
 
@@ -172,6 +172,7 @@ class TorchContext(Graph):
 
     def optimize(self, output: Node) -> Node:
         (output,) = fuse_linears(self, (output,), _linear, self.backend.stacked_weight)
+        (output,) = fuse_ropes(self, (output,), _rope)
         return output
 
     # --- ops -------------------------------------------------------------------------------

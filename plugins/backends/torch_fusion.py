@@ -112,3 +112,90 @@ def fuse_linears(graph: Graph, outputs: tuple[Node, ...], linear: Callable, stac
 
 def _split_columns(y: torch.Tensor, widths: list[int]) -> tuple[torch.Tensor, ...]:
     return y.split_with_sizes(widths, dim=-1)  # one call for all parts (Tensor.split adds Python)
+
+
+def fuse_ropes(graph: Graph, outputs: tuple[Node, ...], rope: Callable) -> tuple[Node, ...]:
+    """Rewrite `graph` so that q and k, adjacent column parts of one fused linear reshaped into
+    heads of one size and rotated by the same table, rotate in one call over both parts' heads
+    (llama: one rope a layer instead of two; the rotation of each head is unchanged)."""
+    nodes = graph.nodes
+    pairs = _rope_pairs(nodes, rope)
+    if not pairs:
+        return outputs
+    readers: dict[int, int] = {}
+    for _, args in nodes:
+        for a in args:
+            if type(a) is Node:
+                readers[a.index] = readers.get(a.index, 0) + 1
+    joint_at: dict[int, tuple] = {}  # first rope -> (joint heads node args, rope args)
+    part_of: dict[int, tuple[int, int, int]] = {}  # rope -> (first rope, first head, end head)
+    dropped: set[int] = set()
+    for (qi, ki), (split, fused, start, stop, q_heads, k_heads, dim) in pairs.items():
+        table, dims, neox = nodes[qi][1][1:]
+        joint_at[qi] = ((fused, start, stop, q_heads + k_heads, dim), (table, dims, neox))
+        part_of[qi], part_of[ki] = (qi, 0, q_heads), (qi, q_heads, q_heads + k_heads)
+        for rope_node in (qi, ki):  # the reshape and part read only by this rope are no longer needed
+            reshaped = nodes[rope_node][1][0].index
+            part = nodes[reshaped][1][0].index
+            if readers[reshaped] == 1:
+                dropped.add(reshaped)
+                if readers[part] == 1:
+                    dropped.add(part)
+    new, renumber, rotated_at = [], {}, {}
+
+    def moved(args: tuple) -> tuple:
+        return tuple(Node(graph, renumber[a.index]) if type(a) is Node else a for a in args)
+
+    for i, (fn, args) in enumerate(nodes):
+        if i in dropped:
+            continue
+        if i in joint_at:
+            (fused, start, stop, heads, dim), (table, dims, neox) = joint_at[i]
+            new.append((_column_heads, (Node(graph, renumber[fused.index]), start, stop, heads, dim)))
+            new.append((rope, (Node(graph, len(new) - 1), Node(graph, renumber[table.index]), dims, neox)))
+            rotated_at[i] = len(new) - 1
+        renumber[i] = len(new)
+        if i in part_of:
+            first, head, end = part_of[i]
+            new.append((_heads, (Node(graph, rotated_at[first]), head, end)))
+        else:
+            new.append((fn, moved(args)))
+    graph.nodes = new
+    return tuple(Node(graph, renumber[out.index]) for out in outputs)
+
+
+def _rope_pairs(nodes: list[tuple[Callable, tuple]], rope: Callable) -> dict[tuple[int, int], tuple]:
+    """(q rope, k rope) -> (split, fused output, first column, end column, q heads, k heads, head size)
+    for each pair of ropes the pass can join."""
+    parts: dict[tuple, tuple[int, int, int, int]] = {}  # (split, part, table, dims, neox) -> (rope, heads, dim, reshaped)
+    for i, (fn, args) in enumerate(nodes):
+        if fn is not rope or type(args[0]) is not Node:
+            continue
+        reshape_fn, reshape_args = nodes[args[0].index]
+        if reshape_fn is not torch.reshape or type(reshape_args[0]) is not Node or len(reshape_args[1]) != 3:
+            continue
+        get_fn, get_args = nodes[reshape_args[0].index]
+        if get_fn is not operator.getitem or nodes[get_args[0].index][0] is not _split_columns:
+            continue
+        _, heads, dim = reshape_args[1]
+        table, dims, neox = args[1:]
+        parts[(get_args[0].index, get_args[1], table.index, dims, neox)] = (i, heads, dim, args[0].index)
+    pairs = {}
+    for (split, part, table, dims, neox), (qi, q_heads, dim, _) in parts.items():
+        k = parts.get((split, part + 1, table, dims, neox))
+        if k is None or k[2] != dim or k[0] < qi:
+            continue
+        fused, widths = nodes[split][1]
+        start = sum(widths[:part])
+        if widths[part] != q_heads * dim or widths[part + 1] != k[1] * dim:
+            continue
+        pairs[(qi, k[0])] = (split, fused, start, start + widths[part] + widths[part + 1], q_heads, k[1], dim)
+    return pairs
+
+
+def _column_heads(y: torch.Tensor, start: int, stop: int, heads: int, dim: int) -> torch.Tensor:
+    return y[:, start:stop].reshape(-1, heads, dim)
+
+
+def _heads(x: torch.Tensor, first: int, end: int) -> torch.Tensor:
+    return x[:, first:end]
