@@ -30,6 +30,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Any, lay
     # for a prompt run of FLOAT_ATTENTION_ROWS rows or more (the CPU kernel is ~1.8x faster there
     # than in bf16).
     gqa = q.shape[1] != k.shape[1]
+    if len(groups) == 1:  # one sequence (batch-1 decode, a lone prompt): no bookkeeping
+        (group,) = groups
+        dtype = torch.float32 if q.shape[0] >= FLOAT_ATTENTION_ROWS else keys.dtype
+        queries = q.to(dtype).transpose(0, 1).unsqueeze(0)
+        return _sequence_attention(queries, keys.unsqueeze(0), values.unsqueeze(0), group, scale, gqa).reshape(q.shape[0], -1)
     attended: list[Any] = [None] * len(groups)
     for members in _decode_batches(groups):
         results = _decode_attention(q, keys, values, [groups[i] for i in members], scale, gqa)
