@@ -130,7 +130,7 @@ def fuse_ropes(graph: Graph, outputs: tuple[Node, ...], rope: Callable) -> tuple
     joint_at: dict[int, tuple] = {}  # first rope -> (joint heads node args, rope args)
     part_of: dict[int, tuple[int, int, int]] = {}  # rope -> (first rope, first head, end head)
     dropped: set[int] = set()
-    for (qi, ki), (split, fused, start, stop, q_heads, k_heads, dim) in pairs.items():
+    for (qi, ki), (fused, start, stop, q_heads, k_heads, dim) in pairs.items():
         table, dims, neox = nodes[qi][1][1:]
         joint_at[qi] = ((fused, start, stop, q_heads + k_heads, dim), (table, dims, neox))
         part_of[qi], part_of[ki] = (qi, 0, q_heads), (qi, q_heads, q_heads + k_heads)
@@ -165,11 +165,11 @@ def fuse_ropes(graph: Graph, outputs: tuple[Node, ...], rope: Callable) -> tuple
 
 
 def _rope_pairs(nodes: list[tuple[Callable, tuple]], rope: Callable) -> dict[tuple[int, int], tuple]:
-    """(q rope, k rope) -> (split, fused output, first column, end column, q heads, k heads, head size)
-    for each pair of ropes the pass can join."""
-    parts: dict[tuple, tuple[int, int, int, int]] = {}  # (split, part, table, dims, neox) -> (rope, heads, dim, reshaped)
+    """(q rope, k rope) -> (fused output, first column, end column, q heads, k heads, head size) for
+    each pair of ropes the pass can join: reshapes of adjacent parts of one split, one table."""
+    parts: dict[tuple, tuple[int, int, int]] = {}  # (split, part, table, dims, neox) -> (rope, heads, head size)
     for i, (fn, args) in enumerate(nodes):
-        if fn is not rope or type(args[0]) is not Node:
+        if fn is not rope or type(args[0]) is not Node or type(args[1]) is not Node:
             continue
         reshape_fn, reshape_args = nodes[args[0].index]
         if reshape_fn is not torch.reshape or type(reshape_args[0]) is not Node or len(reshape_args[1]) != 3:
@@ -179,17 +179,18 @@ def _rope_pairs(nodes: list[tuple[Callable, tuple]], rope: Callable) -> dict[tup
             continue
         _, heads, dim = reshape_args[1]
         table, dims, neox = args[1:]
-        parts[(get_args[0].index, get_args[1], table.index, dims, neox)] = (i, heads, dim, args[0].index)
-    pairs = {}
-    for (split, part, table, dims, neox), (qi, q_heads, dim, _) in parts.items():
+        parts[(get_args[0].index, get_args[1], table.index, dims, neox)] = (i, heads, dim)
+    pairs, paired = {}, set()
+    for (split, part, table, dims, neox), (qi, q_heads, dim) in parts.items():
         k = parts.get((split, part + 1, table, dims, neox))
-        if k is None or k[2] != dim or k[0] < qi:
+        if k is None or k[2] != dim or k[0] < qi or {qi, k[0]} & paired:
             continue
         fused, widths = nodes[split][1]
-        start = sum(widths[:part])
         if widths[part] != q_heads * dim or widths[part + 1] != k[1] * dim:
             continue
-        pairs[(qi, k[0])] = (split, fused, start, start + widths[part] + widths[part + 1], q_heads, k[1], dim)
+        start = sum(widths[:part])
+        pairs[(qi, k[0])] = (fused, start, start + widths[part] + widths[part + 1], q_heads, k[1], dim)
+        paired |= {qi, k[0]}
     return pairs
 
 
