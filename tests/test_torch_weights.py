@@ -7,6 +7,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from tiny_gguf import VOCAB_SIZE, write_tensors, write_tiny_llama
 
 from corral.gguf import GGUFFile
@@ -339,6 +340,33 @@ def test_attention_rows_are_the_same_whatever_order_the_sequences_interleave_in(
     assert in_order.keys() == interleaved.keys()
     for row, value in in_order.items():
         assert value.shape == (32,) and torch.equal(value, interleaved[row]), row
+
+
+def prompt_rows(seqs: list[int], length: int = 40) -> tuple[dict[int, torch.Tensor], dict[int, tuple]]:
+    """Attention of a `length`-row prompt per sequence, all in one batch; and each one's q, k, v."""
+    from corral.model import CacheLayer
+
+    cache = CausalCache(TorchBackend("cpu"), [CacheLayer(kv_heads=2, key_dim=8, value_dim=8)], 2 * 64, num_seqs=2)
+    n = length * len(seqs)
+    batch = Batch(np.zeros(n, np.int64), np.tile(np.arange(length), len(seqs)), np.repeat(seqs, length), np.array([n - 1]))
+    inputs = {s: (randn(length, 4, 8, seed=60 + s), randn(length, 2, 8, seed=70 + s), randn(length, 2, 8, seed=80 + s)) for s in seqs}
+    q, k, v = (torch.cat([inputs[s][j] for s in seqs]) for j in range(3))
+    out = torch_attention.attention(q, k, v, cache.prepare(batch), 0, 0.35)
+    return {s: out[i * length : (i + 1) * length] for i, s in enumerate(seqs)}, inputs
+
+
+def test_prompt_runs_attend_in_float32_the_same_alone_and_batched():
+    batched, inputs = prompt_rows([0, 1])
+    for seq in (0, 1):
+        alone, _ = prompt_rows([seq])
+        assert torch.equal(batched[seq], alone[seq])
+        # causal attention over the bf16-stored keys in float64, rounded to the cache's bf16: the
+        # float32 path lands on the same bf16 value almost everywhere (bf16 queries would not)
+        q = inputs[seq][0].double()
+        k, v = (t.bfloat16().double().transpose(0, 1).repeat_interleave(2, 0) for t in inputs[seq][1:])
+        expected = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, is_causal=True, scale=0.35)
+        expected = expected.transpose(0, 1).reshape(40, -1).bfloat16()
+        assert (batched[seq] == expected).float().mean() > 0.98
 
 
 def decode_rows(lengths: dict[int, int], order: list[int]) -> dict[int, torch.Tensor]:

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-# Query rows of one sequence from which its attention runs in float32 (see _sequence_attention).
+# Query rows of one sequence from which its attention runs in float32 (see _compute_dtype).
 FLOAT_ATTENTION_ROWS = 32
 
 
@@ -26,14 +26,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Any, lay
     _write_cells(keys, cells, k)
     _write_cells(values, cells, v)
     groups = cache.layer_groups(layer)
-    # Decode rows of sequences in step share a call; every other sequence gets its own, in float32
-    # for a prompt run of FLOAT_ATTENTION_ROWS rows or more (the CPU kernel is ~1.8x faster there
-    # than in bf16).
+    # Decode rows of sequences in step share a call; every other sequence gets its own.
     gqa = q.shape[1] != k.shape[1]
     if len(groups) == 1:  # one sequence (batch-1 decode, a lone prompt): no bookkeeping
         (group,) = groups
-        dtype = torch.float32 if q.shape[0] >= FLOAT_ATTENTION_ROWS else keys.dtype
-        queries = q.to(dtype).transpose(0, 1).unsqueeze(0)
+        queries = q.to(_compute_dtype(q.shape[0], keys.dtype)).transpose(0, 1).unsqueeze(0)
         return _sequence_attention(queries, keys.unsqueeze(0), values.unsqueeze(0), group, scale, gqa).reshape(q.shape[0], -1)
     attended: list[Any] = [None] * len(groups)
     for members in _decode_batches(groups):
@@ -41,7 +38,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Any, lay
         for i, result in zip(members, results):
             attended[i] = result
     alone = [i for i, result in enumerate(attended) if result is None]
-    dtypes = {i: torch.float32 if _row_count(groups[i].rows) >= FLOAT_ATTENTION_ROWS else keys.dtype for i in alone}
+    dtypes = {i: _compute_dtype(_row_count(groups[i].rows), keys.dtype) for i in alone}
     queries = {dtype: q.to(dtype).transpose(0, 1).unsqueeze(0) for dtype in set(dtypes.values())}  # [1, heads, n, dim]
     keys, values = keys.unsqueeze(0), values.unsqueeze(0)
     for i in alone:
@@ -53,6 +50,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Any, lay
         for group, result in zip(groups, attended):
             out[group.rows] = result
     return out.reshape(q.shape[0], -1)
+
+
+def _compute_dtype(rows: int, cached: torch.dtype) -> torch.dtype:
+    """float32 for a prompt run of FLOAT_ATTENTION_ROWS rows or more (the CPU kernel is ~1.8x faster
+    there than in bf16), else the cache's dtype: chosen by the sequence's own rows."""
+    return torch.float32 if rows >= FLOAT_ATTENTION_ROWS else cached
 
 
 def _write_cells(buffer: torch.Tensor, cells: Any, new: torch.Tensor) -> None:

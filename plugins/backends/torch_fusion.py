@@ -15,7 +15,7 @@ from typing import Any, Callable
 import attrs
 import torch
 
-from corral.plugins.backends.torch_graph import Graph, Node
+from corral.plugins.backends.torch_graph import Graph, Node, Rewrite
 from corral.plugins.backends.torch_weights import Int4Weight, Int8Weight, MappedRows
 
 # The CPU int4 layout packs blocks of 64 rows (32 below AVX-512) independently: row-stacking packed
@@ -87,27 +87,20 @@ def fuse_linears(graph: Graph, outputs: tuple[Node, ...], linear: Callable, stac
             slices[i] = (members[0], part)
     if not starts:
         return outputs
-    nodes, renumber = [], {}
-    parts_at: dict[int, int] = {}  # first member -> the node splitting the fused output
-
-    def moved(args: tuple) -> tuple:
-        return tuple(Node(graph, renumber[a.index]) if type(a) is Node else a for a in args)
-
+    rewrite = Rewrite(graph)
+    parts_at: dict[int, Node] = {}  # first member -> the node splitting the fused output
     for i, (fn, args) in enumerate(graph.nodes):
         if i in starts:
-            x, _, _, runs = moved(args)
+            x, _, _, runs = args
             stacked, widths = starts[i]
-            nodes.append((linear, (x, stacked, None, runs)))
-            parts_at[i] = len(nodes)
-            nodes.append((_split_columns, (Node(graph, len(nodes) - 1), widths)))
-        renumber[i] = len(nodes)
+            fused = rewrite.add(linear, rewrite.new(x), stacked, None, runs)
+            parts_at[i] = rewrite.add(_split_columns, fused, widths)
         if i in slices:
             first, part = slices[i]
-            nodes.append((operator.getitem, (Node(graph, parts_at[first]), part)))  # a view: no kernel
+            rewrite.replace(i, operator.getitem, parts_at[first], part)  # a view: no kernel
         else:
-            nodes.append((fn, moved(args)))
-    graph.nodes = nodes
-    return tuple(Node(graph, renumber[out.index]) for out in outputs)
+            rewrite.keep(i)
+    return rewrite.finish(outputs)
 
 
 def _split_columns(y: torch.Tensor, widths: list[int]) -> tuple[torch.Tensor, ...]:
@@ -141,27 +134,20 @@ def fuse_ropes(graph: Graph, outputs: tuple[Node, ...], rope: Callable) -> tuple
                 dropped.add(reshaped)
                 if readers[part] == 1:
                     dropped.add(part)
-    new, renumber, rotated_at = [], {}, {}
-
-    def moved(args: tuple) -> tuple:
-        return tuple(Node(graph, renumber[a.index]) if type(a) is Node else a for a in args)
-
-    for i, (fn, args) in enumerate(nodes):
+    rewrite, rotated_at = Rewrite(graph), {}
+    for i in range(len(nodes)):
         if i in dropped:
             continue
         if i in joint_at:
             (fused, start, stop, heads, dim), (table, dims, neox) = joint_at[i]
-            new.append((_column_heads, (Node(graph, renumber[fused.index]), start, stop, heads, dim)))
-            new.append((rope, (Node(graph, len(new) - 1), Node(graph, renumber[table.index]), dims, neox)))
-            rotated_at[i] = len(new) - 1
-        renumber[i] = len(new)
+            joint = rewrite.add(_column_heads, rewrite.new(fused), start, stop, heads, dim)
+            rotated_at[i] = rewrite.add(rope, joint, rewrite.new(table), dims, neox)
         if i in part_of:
             first, head, end = part_of[i]
-            new.append((_heads, (Node(graph, rotated_at[first]), head, end)))
+            rewrite.replace(i, _heads, rotated_at[first], head, end)
         else:
-            new.append((fn, moved(args)))
-    graph.nodes = new
-    return tuple(Node(graph, renumber[out.index]) for out in outputs)
+            rewrite.keep(i)
+    return rewrite.finish(outputs)
 
 
 def _rope_pairs(nodes: list[tuple[Callable, tuple]], rope: Callable) -> dict[tuple[int, int], tuple]:

@@ -107,6 +107,41 @@ class Graph:
         return self._release_plan[1]
 
 
+class Rewrite:
+    """A graph's node list rebuilt in order by a rewriting pass: new nodes inserted, old ones kept,
+    replaced or dropped, and every kept node's arguments pointed at their new positions."""
+
+    def __init__(self, graph: Graph):
+        self.graph = graph
+        self.nodes: list[tuple[Callable, tuple]] = []
+        self._moved: dict[int, int] = {}
+
+    def new(self, old: Node) -> Node:
+        """Where an old node, already visited, now is."""
+        return Node(self.graph, self._moved[old.index])
+
+    def add(self, fn: Callable, *args: Any) -> Node:
+        """A new node; its Node arguments are new ones."""
+        self.nodes.append((fn, args))
+        return Node(self.graph, len(self.nodes) - 1)
+
+    def replace(self, old: int, fn: Callable, *args: Any) -> Node:
+        """A new node that stands for old node `old` from now on."""
+        node = self.add(fn, *args)
+        self._moved[old] = node.index
+        return node
+
+    def keep(self, old: int) -> None:
+        """Old node `old` as it was, its arguments moved."""
+        fn, args = self.graph.nodes[old]
+        self.replace(old, fn, *(self.new(a) if type(a) is Node else a for a in args))
+
+    def finish(self, outputs: tuple[Node, ...]) -> tuple[Node, ...]:
+        """Install the new node list; returns `outputs` where they now are."""
+        self.graph.nodes = self.nodes
+        return tuple(self.new(out) for out in outputs)
+
+
 def sequence_runs(sequences: np.ndarray) -> list[tuple[int, int]]:
     """[start, stop) row ranges of consecutive rows of one sequence."""
     if len(sequences) == 0:
