@@ -15,14 +15,14 @@ from corral.kvcache import CausalCache
 from corral.model import Batch
 from corral.plugins.backends import torch_quant
 from corral.plugins.backends import torch as torch_backend
-from corral.plugins.backends import torch_attention
+from corral.plugins.backends import torch_attention, torch_native
 from corral.plugins.backends import torch_weights
 from corral.plugins.backends.torch import TorchBackend
 from corral.plugins.backends import torch_fusion
 from corral.plugins.backends.torch_fusion import stack_weights
 from corral.plugins.backends.torch_graph import sequence_runs
 from corral.plugins.backends.torch_weights import (
-    LONG_RUN_ROWS, RESCORE_TOP, DenseWeight, Int4Weight, Int8Weight, MappedRows, RescoredLogits, int8_matmul,
+    LONG_RUN_ROWS, RESCORE_TOP, DenseWeight, Int4Blocks, Int4Weight, Int8Weight, MappedRows, RescoredLogits, int8_matmul,
     requantized_int4,
 )
 from corral.registry import Plugins
@@ -156,9 +156,9 @@ def logits_layer(request) -> tuple[RescoredLogits, torch.Tensor]:
 
 def test_int4_requantize_rounds_each_group_to_within_half_a_step():
     weight = randn(32, 96, seed=11)
-    codes, scales, zeros = torch_quant.int4_requantize(weight)
+    codes, scales, mins = torch_quant.int4_requantize(weight)
     assert int(codes.max()) <= 15
-    rebuilt = (codes.float().view(32, 3, 32) - 8) * scales[..., None] + zeros[..., None]
+    rebuilt = codes.float().view(32, 3, 32) * scales[..., None] + mins[..., None]
     assert ((rebuilt.view(32, 96) - weight).abs() <= scales.repeat_interleave(32, dim=1) / 2 + 1e-6).all()
 
 
@@ -207,7 +207,7 @@ def weights_file(tmp_path_factory) -> GGUFFile:
 @pytest.mark.parametrize(
     ("precision", "name", "role", "layout"),
     [
-        ("auto", "q4", "linear", Int4Weight),
+        ("auto", "q4", "linear", Int4Blocks if torch_native.has_int4_blocks() else Int4Weight),
         ("auto", "q4_8rows", "linear", Int8Weight),  # too few rows for the CPU int4 kernel
         ("auto", "q8", "linear", Int8Weight),
         ("auto", "q8", "logits", RescoredLogits),

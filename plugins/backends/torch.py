@@ -37,7 +37,7 @@ from corral.plugins.backends import torch_quant
 from corral.plugins.backends.torch_attention import attention
 from corral.plugins.backends.torch_fusion import fuse_linears, fuse_ropes, stack_weights
 from corral.plugins.backends.torch_graph import Graph, GraphCache, Node, Slot
-from corral.plugins.backends.torch_weights import DenseWeight, Int4Weight, Int8Weight, MappedRows, RescoredLogits, requantized_int4
+from corral.plugins.backends.torch_weights import DenseWeight, Int4Blocks, Int4Weight, Int8Weight, MappedRows, RescoredLogits, requantized_int4
 
 INT4_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q4_K})
 FLOAT_TYPES = frozenset({Q.F32, Q.F16, Q.BF16})
@@ -88,8 +88,8 @@ class TorchBackend:
         if role == "embedding" and cpu:
             return MappedRows(raw, info.qtype, cols)
         if role == "linear" and self._keeps_int4(info):
-            codes, scales, zeros = torch_quant.int4_codes(raw, info.qtype, cols)
-            return self._pack_int4(codes, scales, zeros, MappedRows(raw, info.qtype, cols) if cpu else None)
+            codes, scales, mins = torch_quant.int4_blocks(raw, info.qtype, cols)
+            return self._pack_int4(codes, scales, mins, MappedRows(raw, info.qtype, cols) if cpu else None)
         if self._keeps_int8(info) and cpu:
             if role == "logits":
                 return RescoredLogits(self._approximate_logits(raw, info), MappedRows(raw, info.qtype, cols))
@@ -123,8 +123,11 @@ class TorchBackend:
         # files keep their precision.
         return self.precision == "auto" and info.qtype not in FLOAT_TYPES and len(info.shape) == 2
 
-    def _pack_int4(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, source: MappedRows | None) -> Int4Weight:
+    def _pack_int4(self, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, source: MappedRows | None) -> Int4Blocks | Int4Weight:
         out_features, in_features = codes.shape
+        if self.device.type == "cpu" and Int4Blocks.takes(out_features, in_features):
+            return Int4Blocks.from_codes(codes, scales, mins, source)
+        zeros = mins + 8 * scales
         if self.device.type == "cuda":
             packed, sz = torch_quant.pack_int4_for_cuda(codes.to(self.device), scales.to(self.device), zeros.to(self.device))
         else:

@@ -76,8 +76,21 @@ def _sequence_attention(
     keys, values = keys[:, :, cells], values[:, :, cells]
     if queries.dtype != cached:
         keys, values = keys.to(queries.dtype), values.to(queries.dtype)
-    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=group.mask, scale=scale, enable_gqa=gqa)[0]
+    out = _sdpa(queries, keys, values, group.mask, scale, gqa)[0]
     return out.transpose(0, 1) if out.dtype == cached else out.transpose(0, 1).to(cached)
+
+
+def _sdpa(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: Any, scale: float, gqa: bool) -> torch.Tensor:
+    """SDPA of queries [b, heads, rows, dim] over [b, kv_heads, cells, dim]. A single query row's
+    heads that share a kv head are passed as rows of that head instead: the same products, but
+    torch's grouped-query path in bf16 measured 5x slower (284 vs 52 us for 9 heads over 512 cells
+    on an AMD EPYC; it copies the keys per head)."""
+    batch, heads, rows, dim = queries.shape
+    if not gqa or rows != 1:
+        return F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    folded = queries.reshape(batch, keys.shape[1], heads // keys.shape[1], dim)
+    out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask, scale=scale)
+    return out.reshape(batch, heads, 1, dim)
 
 
 def _decode_batches(groups: list[Any]) -> list[list[int]]:
@@ -102,9 +115,7 @@ def _decode_attention(
     consecutive = rows == list(range(rows[0], rows[0] + len(rows)))
     queries = (q[rows[0] : rows[0] + len(rows)] if consecutive else q[rows]).to(keys.dtype).unsqueeze(2)  # [seqs, heads, 1, dim]
     starts, used = [group.start for group in groups], groups[0].used
-    out = F.scaled_dot_product_attention(
-        queries, _regions(keys, starts, used), _regions(values, starts, used), scale=scale, enable_gqa=gqa
-    )
+    out = _sdpa(queries, _regions(keys, starts, used), _regions(values, starts, used), None, scale, gqa)
     return list(out.transpose(1, 2).unbind(0))
 
 

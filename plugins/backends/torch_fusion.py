@@ -16,7 +16,7 @@ import attrs
 import torch
 
 from corral.plugins.backends.torch_graph import Graph, Node, Rewrite
-from corral.plugins.backends.torch_weights import Int4Weight, Int8Weight, MappedRows
+from corral.plugins.backends.torch_weights import Int4Blocks, Int4Weight, Int8Weight, MappedRows
 
 # The CPU int4 layout packs blocks of 64 rows (32 below AVX-512) independently: row-stacking packed
 # weights equals packing the stacked codes only when every part is whole blocks.
@@ -36,8 +36,15 @@ class StackedRows:
 def stack_weights(weights: list[Any]) -> Any | None:
     """One weight computing all of `weights`' outputs side by side, or None when they cannot be stacked."""
     kinds = {type(w) for w in weights}
-    if kinds not in ({Int4Weight}, {Int8Weight}) or len({w.in_features for w in weights}) != 1:
+    if kinds not in ({Int4Weight}, {Int4Blocks}, {Int8Weight}) or len({w.in_features for w in weights}) != 1:
         return None
+    if kinds == {Int4Blocks}:
+        sources = [w.source for w in weights]
+        parts = [w.codes for w in weights], [w.scales for w in weights], [w.mins for w in weights]
+        stacked = Int4Blocks(*(torch.cat(p) for p in parts), StackedRows(tuple(sources)) if all(sources) else None)
+        for part, whole in zip(parts, (stacked.codes, stacked.scales, stacked.mins)):
+            _share_rows(part, whole)
+        return stacked
     if kinds == {Int4Weight}:
         sources = [w.source for w in weights]
         source = StackedRows(tuple(sources)) if all(sources) else None

@@ -191,24 +191,24 @@ def dequantize(raw: torch.Tensor, qtype: Q, cols: int, dtype: torch.dtype = torc
     return out.reshape(-1, cols)
 
 
-# int4: codes 0..15 with one fp32 scale and zero per group of 32, w = (q - 8) * scale + zero.
+# int4: codes 0..15 with one fp32 scale and min per group of 32, w = q * scale + min (torch's
+# kernels take zero = min + 8 * scale: w = (q - 8) * scale + zero).
 
 
 def _q4_0_int4(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     d = _f16(blocks, 0)
-    return _nibbles(blocks[:, 2:]), d, torch.zeros_like(d)
+    return _nibbles(blocks[:, 2:]), d, -8 * d
 
 
 def _q4_1_int4(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     d, m = _f16(blocks, 0), _f16(blocks, 2)
-    return _nibbles(blocks[:, 4:]), d, m + 8 * d
+    return _nibbles(blocks[:, 4:]), d, m
 
 
 def _q4_k_int4(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     d, dmin = _f16(blocks, 0), _f16(blocks, 2)
     sc, mn = _k_scale_min(blocks[:, 4:16])
-    scale = d * sc.squeeze(-1)
-    return _k_low_nibbles(blocks[:, 16:]), scale, 8 * scale - dmin * mn.squeeze(-1)
+    return _k_low_nibbles(blocks[:, 16:]), d * sc.squeeze(-1), -dmin * mn.squeeze(-1)
 
 
 INT4_CODERS: dict[Q, Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {
@@ -218,27 +218,33 @@ INT4_CODERS: dict[Q, Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, 
 }
 
 
-def int4_codes(raw: torch.Tensor, qtype: Q, cols: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Raw Q4_0/Q4_1/Q4_K bytes -> (codes uint8 [rows, cols], scales, zeros float32 [rows, cols // 32])."""
+def int4_blocks(raw: torch.Tensor, qtype: Q, cols: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Raw Q4_0/Q4_1/Q4_K bytes -> (codes uint8 [rows, cols], scales, mins float32 [rows, cols // 32]), exact."""
     coder = INT4_CODERS.get(qtype)
     if coder is None:
         raise UnsupportedTensorTypeError(
             f"GGML type {Q(qtype).name} has no exact int4 form; use dequantize (int4: Q4_0, Q4_1, Q4_K)"
         )
-    codes, scales, zeros = coder(_blocks(raw, qtype))
+    codes, scales, mins = coder(_blocks(raw, qtype))
     groups = cols // INT4_GROUP
-    return codes.reshape(-1, cols), scales.reshape(-1, groups), zeros.reshape(-1, groups)
+    return codes.reshape(-1, cols), scales.reshape(-1, groups), mins.reshape(-1, groups)
+
+
+def int4_codes(raw: torch.Tensor, qtype: Q, cols: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Raw Q4_0/Q4_1/Q4_K bytes -> (codes uint8 [rows, cols], scales, zeros float32 [rows, cols // 32]), torch's form."""
+    codes, scales, mins = int4_blocks(raw, qtype, cols)
+    return codes, scales, mins + 8 * scales
 
 
 def int4_requantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A float weight [rows, cols] rounded to int4 per group of 32 (min to max in 15 steps):
-    (codes uint8 [rows, cols], scales, zeros float32 [rows, cols // 32]). Lossy, unlike int4_codes."""
+    (codes uint8 [rows, cols], scales, mins float32 [rows, cols // 32]). Lossy, unlike int4_blocks."""
     rows, cols = weight.shape
     groups = weight.reshape(rows, cols // INT4_GROUP, INT4_GROUP)
     low, high = groups.amin(dim=-1), groups.amax(dim=-1)
     scales = ((high - low) / 15).clamp_min(torch.finfo(torch.float32).tiny)
     codes = torch.round((groups - low[..., None]) / scales[..., None]).clamp_(0, 15).to(torch.uint8)
-    return codes.reshape(rows, cols), scales, low + 8 * scales
+    return codes.reshape(rows, cols), scales, low
 
 
 def scales_and_zeros(scales: torch.Tensor, zeros: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

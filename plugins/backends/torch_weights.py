@@ -27,7 +27,7 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from corral.plugins.backends import torch_quant
+from corral.plugins.backends import torch_native, torch_quant
 
 Runs = Sequence[tuple[int, int]] | None
 
@@ -100,8 +100,7 @@ class Int4Weight:
         return _long_runs(x, runs, self._kernel, self._exact_rows)
 
     def _exact_rows(self, runs: list[torch.Tensor]) -> list[torch.Tensor]:
-        weight = self.source.dequantized()  # the file's exact weights as float32, once per call
-        return [F.linear(rows.float(), weight) for rows in runs]
+        return _exact_rows(self.source, runs)
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         # The kernel computes each row on its own: exact under batching as it is.
@@ -113,7 +112,68 @@ class Int4Weight:
         return torch._weight_int4pack_mm_for_cpu(xb, self.packed, group, self.scales_and_zeros)
 
 
-def _long_runs(x: torch.Tensor, runs: Runs, kernel: Any, long_kernel: Any) -> torch.Tensor:
+def _exact_rows(source: Any, runs: list[torch.Tensor]) -> list[torch.Tensor]:
+    weight = source.dequantized()  # the file's exact weights as float32, once per call
+    return [F.linear(rows.float(), weight) for rows in runs]
+
+
+@attrs.frozen
+class Int4Blocks:
+    """A linear weight kept 4-bit for the native kernel (native/int4_blocks.c): codes in ggml's
+    nibble order, a float32 scale and min per group of 32, int16 activations, float32 out."""
+
+    codes: torch.Tensor  # uint8 [out, in // 2]
+    scales: torch.Tensor  # float32 [out, in // 32]
+    mins: torch.Tensor  # float32 [out // 16, in // 32, 16]: each 16 rows' mins transposed
+    source: Any = None  # the file's exact weights, for prompt chunks
+
+    @classmethod
+    def from_codes(cls, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, source: Any = None) -> Int4Blocks:
+        """Codes uint8 [out, in] (0..15), scales and mins [out, in // 32]: w = q * scale + min."""
+        return cls(cls.pack(codes), scales.float().contiguous(), cls.group(mins), source)
+
+    @staticmethod
+    def pack(codes: torch.Tensor) -> torch.Tensor:
+        """Codes [out, in] -> bytes [out, in // 2]: per 32, elements j and 16 + j share byte j."""
+        rows, cols = codes.shape
+        halves = codes.view(rows, cols // 32, 2, 16)
+        return (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(rows, cols // 2)
+
+    @staticmethod
+    def group(mins: torch.Tensor) -> torch.Tensor:
+        """Mins [out, in // 32] -> [out // 16, in // 32, 16]."""
+        rows, groups = mins.shape
+        return mins.float().reshape(rows // 16, 16, groups).transpose(1, 2).contiguous()
+
+    @staticmethod
+    def takes(rows: int, cols: int) -> bool:
+        return torch_native.has_int4_blocks() and rows % 16 == 0 and cols % 64 == 0
+
+    @property
+    def out_features(self) -> int:
+        return self.codes.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.codes.shape[1] * 2
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.nbytes + self.scales.nbytes + self.mins.nbytes
+
+    def matmul(self, x: torch.Tensor, runs: Runs = None) -> torch.Tensor:
+        if self.source is None:
+            return self._kernel(x)
+        return _long_runs(x, runs, self._kernel, self._exact_rows, torch.float32)
+
+    def _exact_rows(self, runs: list[torch.Tensor]) -> list[torch.Tensor]:
+        return _exact_rows(self.source, runs)
+
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        return torch_native.int4_blocks_matmul(x, self.codes, self.scales, self.mins)
+
+
+def _long_runs(x: torch.Tensor, runs: Runs, kernel: Any, long_kernel: Any, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Runs of LONG_RUN_ROWS rows or more through `long_kernel` (all of them in one call), the other
     rows through the row-exact `kernel`. A run's length depends only on its own sequence's prompt
     chunking, so which path a row takes never depends on the batch."""
@@ -124,8 +184,8 @@ def _long_runs(x: torch.Tensor, runs: Runs, kernel: Any, long_kernel: Any) -> to
     if not long:
         return kernel(x)
     results = long_kernel([x[start:stop] for start, stop in long])
-    # bf16 out, as the kernels': the dtype flowing on must not depend on what shares the batch.
-    out = x.new_empty((x.shape[0], results[0].shape[1]), dtype=torch.bfloat16)
+    # The kernel's dtype out: the dtype flowing on must not depend on what shares the batch.
+    out = x.new_empty((x.shape[0], results[0].shape[1]), dtype=dtype)
     for (start, stop), result in zip(long, results):
         out[start:stop] = result
     short = [i for start, stop in runs if stop - start < LONG_RUN_ROWS for i in range(start, stop)]
@@ -181,19 +241,26 @@ def top_indices(logits: torch.Tensor, k: int) -> torch.Tensor:
     return chosen.gather(1, best // TOP_BLOCK) * TOP_BLOCK + best % TOP_BLOCK
 
 
-def requantized_int4(raw: torch.Tensor, qtype: Any, cols: int) -> Int4Weight:
-    """A GGUF tensor of any type rounded to int4 groups of 32, a slab of rows at a time."""
+def requantized_int4(raw: torch.Tensor, qtype: Any, cols: int) -> Int4Blocks | Int4Weight:
+    """A GGUF tensor of any type rounded to int4 groups of 32, a slab of rows at a time: for the
+    native kernel where it takes the shape, else for torch's."""
     rows = raw.shape[0]
+    blocks = Int4Blocks.takes(rows, cols)
     packed = torch.empty(rows, cols // 2, dtype=torch.uint8)
     scales = torch.empty(rows, cols // torch_quant.INT4_GROUP)
-    zeros = torch.empty_like(scales)
+    mins = torch.empty_like(scales)
     step = max(64, torch_quant.SLAB_ELEMENTS // cols // 64 * 64)  # whole packing blocks per slab
     for start in range(0, rows, step):
-        codes, scales[start : start + step], zeros[start : start + step] = torch_quant.int4_requantize(
+        codes, scales[start : start + step], mins[start : start + step] = torch_quant.int4_requantize(
             torch_quant.dequantize(raw[start : start + step], qtype, cols)
         )
-        packed[start : start + step] = torch_quant.pack_int4_codes_for_cpu(codes)
-    sz = torch_quant.scales_and_zeros(scales, zeros, torch.bfloat16)
+        if blocks:
+            packed[start : start + step] = Int4Blocks.pack(codes)
+        else:
+            packed[start : start + step] = torch_quant.pack_int4_codes_for_cpu(codes)
+    if blocks:
+        return Int4Blocks(packed, scales, Int4Blocks.group(mins))
+    sz = torch_quant.scales_and_zeros(scales, mins + 8 * scales, torch.bfloat16)
     return Int4Weight(packed, sz, rows, cols)
 
 

@@ -1,0 +1,154 @@
+/* 4-bit weights in blocks of 32 times 16-bit activations, AVX-512 (VNNI where the CPU has it).
+ *
+ * torch's CPU int4 kernel dequantizes every weight to fp32 for each group of 4 activation rows,
+ * so it is compute-bound even at one row (~15 GB/s of weights here) and 8 rows cost 4x one row.
+ * Here weights stay integers: each activation row is quantized to int16 with one scale (error at
+ * most 1/65534 of the row's largest value, finer than bf16 for all but tiny entries), and 32
+ * products at a time are exact integer multiply-adds (vpdpwssd). A weight row is loaded and
+ * unpacked once for up to 4 activation rows, and every output element is computed by the same
+ * sequence of operations whatever the number of rows: results never depend on the batch.
+ *
+ * Weights: w[n][k] = scale[n][b] * q + min[n][b], b = k / 32, q in 0..15 (Q4_0, Q4_1, Q4_K map
+ * onto it exactly). Codes [N][K / 2]: byte j of block b holds element 32b + j in its low nibble
+ * and element 32b + 16 + j in its high nibble (ggml's order). Scales: float [N][K / 32]. Mins:
+ * float [N / 16][K / 32][16], each group of 16 rows transposed so one vector load serves the group.
+ * Requires K % 64 == 0 and N % 16 == 0.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if !defined(__AVX512F__) || !defined(__AVX512BW__)
+#error "int4_blocks needs AVX-512 (F and BW)"
+#endif
+
+#define ROW_TILE 4
+
+#ifdef __AVX512VNNI__
+#define DOT16(acc, a, b) _mm512_dpwssd_epi32((acc), (a), (b))
+#else
+#define DOT16(acc, a, b) _mm512_add_epi32((acc), _mm512_madd_epi16((a), (b)))
+#endif
+
+static inline float load_value(const void *x, int bf16, int64_t i)
+{
+    if (!bf16)
+        return ((const float *)x)[i];
+    uint32_t bits = (uint32_t)((const uint16_t *)x)[i] << 16;
+    float v;
+    memcpy(&v, &bits, sizeof v);
+    return v;
+}
+
+/* One activation row -> int16 codes laid out like the unpacked weights (per 64 elements: the
+ * first 16 of each block of 32, then the last 16 of each), the row's scale, and each block's sum
+ * of the unquantized values (for the mins). */
+static void quantize_row(const void *x, int bf16, int64_t row, int64_t K, int16_t *codes, float *scale, float *sums)
+{
+    const int64_t base = row * K;
+    float amax = 0.0f;
+    for (int64_t k = 0; k < K; k++) {
+        float a = fabsf(load_value(x, bf16, base + k));
+        amax = a > amax ? a : amax;
+    }
+    const float s = amax / 32767.0f;
+    *scale = s;
+    for (int64_t b = 0; b < K / 32; b++) {
+        float sum = 0.0f;
+        for (int j = 0; j < 32; j++)
+            sum += load_value(x, bf16, base + 32 * b + j);
+        sums[b] = sum;
+    }
+    for (int64_t p = 0; p < K / 64; p++) {
+        for (int i = 0; i < 64; i++) {
+            /* position i of pair p: which element of the two blocks it holds */
+            int half = i / 32, lane = i % 32;
+            int64_t k = 64 * p + (lane < 16 ? 0 : 32) + 16 * half + lane % 16;
+            float v = load_value(x, bf16, base + k);
+            float q = s > 0.0f ? nearbyintf(v / s) : 0.0f;
+            q = q > 32767.0f ? 32767.0f : (q < -32767.0f ? -32767.0f : q);
+            codes[64 * p + i] = (int16_t)q;
+        }
+    }
+}
+
+/* The sums of 16 vectors, as one vector (lane i: the sum of v[i]); a fixed order of additions. */
+static inline __m512 sum16(__m512 *v)
+{
+    __m512 t[8], u[4];
+    for (int i = 0; i < 8; i++)
+        t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) {
+        __m512d a = _mm512_castps_pd(t[2 * i]), b = _mm512_castps_pd(t[2 * i + 1]);
+        u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    /* u[i]: each 128-bit chunk holds partial sums of v[4i .. 4i + 3] */
+    __m512 y01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x44), _mm512_shuffle_f32x4(u[0], u[1], 0xEE));
+    __m512 y23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x44), _mm512_shuffle_f32x4(u[2], u[3], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(y01, y23, 0x88), _mm512_shuffle_f32x4(y01, y23, 0xDD));
+}
+
+/* 16 output rows (a group) times up to ROW_TILE activation rows. */
+static inline void group(const uint8_t *codes, const float *scales, const float *mins, int64_t K,
+                         const int16_t *xq, const float *xs, const float *xsums, int rows, float *y, int64_t ldy)
+{
+    const __m512i low = _mm512_set1_epi16(0x0F);
+    const __m512i pick = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    const int64_t blocks = K / 32;
+    __m512 acc[ROW_TILE][16];
+    for (int n = 0; n < 16; n++) {
+        const uint8_t *wc = codes + n * (K / 2);
+        const float *ws = scales + n * blocks;
+        __m512 a[ROW_TILE];
+        for (int t = 0; t < ROW_TILE; t++)
+            a[t] = _mm512_setzero_ps();
+        for (int64_t p = 0; p < K / 64; p++) {
+            __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(wc + 32 * p)));
+            __m512i lo = _mm512_and_si512(w, low), hi = _mm512_srli_epi16(w, 4);
+            /* lanes 0-7 hold block 2p's sums, lanes 8-15 block 2p+1's */
+            __m512 sv = _mm512_permutexvar_ps(pick, _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd((const double *)(ws + 2 * p)))));
+            for (int t = 0; t < rows; t++) {
+                const int16_t *q = xq + t * K + 64 * p;
+                __m512i s = DOT16(_mm512_setzero_si512(), lo, _mm512_loadu_si512(q));
+                s = DOT16(s, hi, _mm512_loadu_si512(q + 32));
+                a[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), sv, a[t]);
+            }
+        }
+        for (int t = 0; t < rows; t++)
+            acc[t][n] = a[t];
+    }
+    for (int t = 0; t < rows; t++) {
+        /* mins are stored [blocks][16] per group: one vector per block */
+        __m512 m = _mm512_setzero_ps();
+        for (int64_t b = 0; b < blocks; b++)
+            m = _mm512_fmadd_ps(_mm512_loadu_ps(mins + 16 * b), _mm512_set1_ps(xsums[t * blocks + b]), m);
+        _mm512_storeu_ps(y + t * ldy, _mm512_fmadd_ps(sum16(acc[t]), _mm512_set1_ps(xs[t]), m));
+    }
+}
+
+/* y[M][N] (float) = x[M][K] (float, or bf16 when x_bf16) times the weights' transpose.
+ * N % 16 == 0; mins laid out [N / 16][K / 32][16]. */
+void int4_blocks_matmul(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *codes, const float *scales,
+                        const float *mins, int64_t N, float *y, int threads)
+{
+    if (M <= 0)
+        return;
+    int16_t *xq = aligned_alloc(64, (size_t)(M * K * sizeof(int16_t) + 63) / 64 * 64);
+    float *xs = malloc((size_t)M * sizeof(float));
+    float *xsums = malloc((size_t)(M * (K / 32)) * sizeof(float));
+    for (int64_t m = 0; m < M; m++)
+        quantize_row(x, x_bf16, m, K, xq + m * K, xs + m, xsums + m * (K / 32));
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t g = 0; g < N / 16; g++) {
+        for (int64_t m = 0; m < M; m += ROW_TILE) {
+            int rows = M - m < ROW_TILE ? (int)(M - m) : ROW_TILE;
+            group(codes + 16 * g * (K / 2), scales + 16 * g * (K / 32), mins + 16 * g * (K / 32), K, xq + m * K, xs + m,
+                  xsums + m * (K / 32), rows, y + m * N + 16 * g, N);
+        }
+    }
+    free(xq);
+    free(xs);
+    free(xsums);
+}
