@@ -207,7 +207,7 @@ def weights_file(tmp_path_factory) -> GGUFFile:
 @pytest.mark.parametrize(
     ("precision", "name", "role", "layout"),
     [
-        ("auto", "q4", "linear", Int4Blocks if torch_native.has_int4_blocks() else Int4Weight),
+        ("auto", "q4", "linear", Int4Blocks if torch_native.has("int4_blocks_matmul") else Int4Weight),
         ("auto", "q4_8rows", "linear", Int8Weight),  # too few rows for the CPU int4 kernel
         ("auto", "q8", "linear", Int8Weight),
         ("auto", "q8", "logits", RescoredLogits),

@@ -33,7 +33,7 @@ from corral.errors import UnsupportedTensorTypeError
 from corral.gguf import GGUFFile, TensorInfo
 from corral.model import Batch
 from corral.hookspecs import hookimpl
-from corral.plugins.backends import torch_quant
+from corral.plugins.backends import torch_native, torch_quant
 from corral.plugins.backends.torch_attention import attention
 from corral.plugins.backends.torch_fusion import fuse_linears, fuse_ropes, stack_weights
 from corral.plugins.backends.torch_graph import Graph, GraphCache, Node, Slot
@@ -141,6 +141,10 @@ class TorchBackend:
             self._stacked[key] = (stack_weights(weights), weights)  # the originals kept alive with their key
         return self._stacked[key][0]
 
+    def native(self, name: str) -> bool:
+        """Whether the native CPU kernel `name` (torch_native.py) serves this backend."""
+        return self.device.type == "cpu" and torch_native.has(name)
+
     def set_threads(self, count: int) -> None:
         """Compute threads for CPU kernels (torch's setting is process-wide)."""
         torch.set_num_threads(count)
@@ -195,6 +199,8 @@ class TorchContext(Graph):
         return self.record(_linear, x, weight, bias, Slot("runs") if self.batch is not None else None)
 
     def rms_norm(self, x: Node, weight: torch.Tensor, eps: float) -> Node:
+        if self.backend.native("rms_norm") and weight.dtype == torch.float32 and weight.is_contiguous():
+            return self.record(torch_native.rms_norm, x, weight, eps)
         return self.record(lambda t, w: F.rms_norm(t.float(), (t.shape[-1],), w, eps), x, weight)
 
     def layer_norm(self, x: Node, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> Node:

@@ -14,6 +14,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from corral.plugins.backends import torch_native
+
 # Query rows of one sequence from which its attention runs in float32 (see _compute_dtype).
 FLOAT_ATTENTION_ROWS = 32
 
@@ -26,8 +28,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Any, lay
     _write_cells(keys, cells, k)
     _write_cells(values, cells, v)
     groups = cache.layer_groups(layer)
-    # Decode rows of sequences in step share a call; every other sequence gets its own.
     gqa = q.shape[1] != k.shape[1]
+    if torch_native.takes_decode_attention(q, keys, values):
+        return _native_attention(q, keys, values, groups, scale, gqa)
+    # Decode rows of sequences in step share a call; every other sequence gets its own.
     if len(groups) == 1:  # one sequence (batch-1 decode, a lone prompt): no bookkeeping
         (group,) = groups
         queries = q.to(_compute_dtype(q.shape[0], keys.dtype)).transpose(0, 1).unsqueeze(0)
@@ -52,6 +56,28 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Any, lay
     return out.reshape(q.shape[0], -1)
 
 
+def _native_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, groups: list[Any], scale: float, gqa: bool) -> torch.Tensor:
+    """Every decode row (one query of a sequence) in one native call, each prompt run through SDPA
+    on its own: [n, heads * dim] float32 whatever the mix, so a row's bits never depend on it."""
+    rows = q.shape[0]
+    decode = [group for group in groups if _row_count(group.rows) == 1]
+    if len(decode) == len(groups) and _in_row_order(groups, rows):
+        return torch_native.decode_attention(q, keys, values, decode, scale).reshape(rows, -1)
+    out = q.new_empty((rows, q.shape[1], values.shape[-1]), dtype=torch.float32)
+    if decode:
+        index = [_first_row(group.rows) for group in decode]
+        out[index] = torch_native.decode_attention(q[index], keys, values, decode, scale)
+    for group in groups:
+        if _row_count(group.rows) > 1:
+            queries = q[group.rows].to(_compute_dtype(_row_count(group.rows), keys.dtype)).transpose(0, 1).unsqueeze(0)
+            out[group.rows] = _sequence_attention(queries, keys.unsqueeze(0), values.unsqueeze(0), group, scale, gqa, torch.float32)
+    return out.reshape(rows, -1)
+
+
+def _first_row(rows: Any) -> int:
+    return rows.start if isinstance(rows, slice) else int(rows[0])
+
+
 def _compute_dtype(rows: int, cached: torch.dtype) -> torch.dtype:
     """float32 for a prompt run of FLOAT_ATTENTION_ROWS rows or more (the CPU kernel is ~1.8x faster
     there than in bf16), else the cache's dtype: chosen by the sequence's own rows."""
@@ -67,17 +93,18 @@ def _write_cells(buffer: torch.Tensor, cells: Any, new: torch.Tensor) -> None:
 
 
 def _sequence_attention(
-    queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, group: Any, scale: float, gqa: bool
+    queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, group: Any, scale: float, gqa: bool,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """One sequence's attention [rows, heads, dim], in the cache's dtype, computed in the queries'
-    dtype: queries [1, heads, rows, dim] over its cells of keys and values [1, kv_heads, cells, dim]."""
+    """One sequence's attention [rows, heads, dim], in `out_dtype` (default: the cache's), computed in
+    the queries' dtype: queries [1, heads, rows, dim] over its cells of keys and values [1, kv_heads, cells, dim]."""
     cells = slice(group.start, group.start + group.used)
-    cached = keys.dtype
+    out_dtype = out_dtype or keys.dtype
     keys, values = keys[:, :, cells], values[:, :, cells]
-    if queries.dtype != cached:
+    if queries.dtype != keys.dtype:
         keys, values = keys.to(queries.dtype), values.to(queries.dtype)
     out = _sdpa(queries, keys, values, group.mask, scale, gqa)[0]
-    return out.transpose(0, 1) if out.dtype == cached else out.transpose(0, 1).to(cached)
+    return out.transpose(0, 1) if out.dtype == out_dtype else out.transpose(0, 1).to(out_dtype)
 
 
 def _sdpa(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: Any, scale: float, gqa: bool) -> torch.Tensor:

@@ -1,8 +1,8 @@
 """Native CPU kernels of the torch backend: small C files (native/) compiled for this machine.
 
-torch ships no CPU kernel that multiplies 4-bit weights with integer arithmetic (its int4 kernel
-dequantizes every weight to fp32 per group of 4 activation rows). The kernels here fill that gap
-and nothing else. Like torch.compile's C++ backend, they are built on first use with the system C
+They fill two gaps in torch's CPU kernels: no 4-bit matmul with integer arithmetic (torch's int4
+kernel dequantizes every weight to fp32 per group of 4 activation rows), and small composite ops
+(rms_norm) whose several kernels cost more in dispatch than in arithmetic at decode sizes. Like torch.compile's C++ backend, they are built on first use with the system C
 compiler (`$CC`, else `cc`) for this CPU (`-march=native`), cached under
 `$CORRAL_KERNELS` (default `~/.cache/corral/kernels`) by a hash of the source, the compiler and the
 CPU's features, and loaded with ctypes. They run on torch's own OpenMP thread pool: the library
@@ -24,7 +24,9 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
 
 log = logging.getLogger(__name__)
@@ -101,34 +103,100 @@ def load(name: str) -> ctypes.CDLL | None:
         return None
 
 
+_i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+# function -> (source file, argument types)
+SIGNATURES = {
+    "int4_blocks_matmul": ("int4_blocks", (_ptr, _int, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _int)),
+    "rms_norm": ("rms_norm", (_ptr, _int, _i64, _i64, _ptr, ctypes.c_float, _ptr, _int)),
+    "decode_attention": (
+        "decode_attention",
+        (_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _int, _i64, _ptr, _ptr, _ptr, ctypes.c_float, _ptr, _int),
+    ),
+}
+RESTYPES = {"decode_attention": ctypes.c_int}
+MAX_HEAD_GROUP = 16  # query heads per kv head the attention kernel takes
+
+
 @functools.cache
-def _int4_blocks() -> ctypes._CFuncPtr | None:
-    library = load("int4_blocks")
+def function(name: str) -> Any:
+    """The native function `name` (see SIGNATURES), or None where its library cannot be built here."""
+    source, argtypes = SIGNATURES[name]
+    library = load(source)
     if library is None:
         return None
-    fn = library.int4_blocks_matmul
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = (ptr, ctypes.c_int, i64, i64, ptr, ptr, ptr, i64, ptr, ctypes.c_int)
-    fn.restype = None
+    fn = getattr(library, name)
+    fn.argtypes, fn.restype = argtypes, RESTYPES.get(name)
     return fn
 
 
-def has_int4_blocks() -> bool:
-    return _int4_blocks() is not None
+def has(name: str) -> bool:
+    return function(name) is not None
+
+
+def _floats(x: torch.Tensor) -> torch.Tensor:
+    """x as contiguous float32 or bf16 (the dtypes the kernels read)."""
+    if x.dtype is not torch.float32 and x.dtype is not torch.bfloat16:
+        x = x.float()
+    return x.contiguous()
 
 
 def int4_blocks_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
     """x [rows, in] (float32 or bf16) times the 4-bit weight's transpose -> float32 [rows, out]
     (layout and arithmetic: native/int4_blocks.c)."""
-    if x.dtype is not torch.float32 and x.dtype is not torch.bfloat16:
-        x = x.float()
-    x = x.contiguous()
+    x = _floats(x)
     rows, cols = x.shape
     out = torch.empty((rows, codes.shape[0]), dtype=torch.float32)
     if rows:
         # Pointers are read at each call: stacking may move a weight's storage after load.
-        _int4_blocks()(
+        function("int4_blocks_matmul")(
             x.data_ptr(), x.dtype is torch.bfloat16, rows, cols, codes.data_ptr(), scales.data_ptr(),
             mins.data_ptr(), codes.shape[0], out.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """F.rms_norm over the last dimension of x (float32 or bf16) with a float32 weight -> float32."""
+    x = _floats(x)
+    out = torch.empty(x.shape, dtype=torch.float32)
+    dim = x.shape[-1]
+    if weight.numel() != dim:
+        raise ValueError(f"rms_norm weight has {weight.numel()} values for rows of {dim}")
+    rows = x.numel() // dim if dim else 0
+    if rows:
+        function("rms_norm")(x.data_ptr(), x.dtype is torch.bfloat16, rows, dim, weight.data_ptr(), eps, out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def takes_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
+    """Whether the native attention kernel takes these shapes and dtypes (fixed for a model)."""
+    heads, kv_heads = q.shape[1], keys.shape[0]
+    return (
+        keys.device.type == "cpu" and keys.dtype == values.dtype and keys.dtype in (torch.bfloat16, torch.float32)
+        and q.shape[-1] % 16 == 0 and values.shape[-1] % 16 == 0 and heads % kv_heads == 0
+        and heads // kv_heads <= MAX_HEAD_GROUP and keys.is_contiguous() and values.is_contiguous()
+        and has("decode_attention")
+    )  # fmt: skip
+
+
+def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, groups: list[Any], scale: float) -> torch.Tensor:
+    """One query row per group (its sequence's cache region: start, used, mask) -> float32
+    [rows, heads, value_dim]. q [rows, heads, key_dim]; keys, values [kv_heads, cells, dim]
+    (native/decode_attention.c)."""
+    q = q.float().contiguous()
+    rows, heads, key_dim = q.shape
+    kv_heads, cells, value_dim = values.shape
+    regions = np.array(
+        [[g.start for g in groups], [g.used for g in groups], [0 if g.mask is None else g.mask.data_ptr() for g in groups]],
+        dtype=np.int64,
+    )
+    out = torch.empty((rows, heads, value_dim), dtype=torch.float32)
+    address, step = regions.ctypes.data, rows * 8
+    failed = function("decode_attention")(
+        q.data_ptr(), rows, heads, kv_heads, key_dim, value_dim, keys.data_ptr(), values.data_ptr(),
+        keys.dtype is torch.bfloat16, cells, address, address + step, address + 2 * step, scale, out.data_ptr(),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    if failed:
+        raise MemoryError("native decode attention could not allocate its scores")
     return out

@@ -147,7 +147,7 @@ class Int4Blocks:
 
     @staticmethod
     def takes(rows: int, cols: int) -> bool:
-        return torch_native.has_int4_blocks() and rows % 16 == 0 and cols % 64 == 0
+        return torch_native.has("int4_blocks_matmul") and rows % 16 == 0 and cols % 64 == 0
 
     @property
     def out_features(self) -> int:

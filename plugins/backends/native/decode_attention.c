@@ -1,0 +1,194 @@
+/* Attention of single query rows (decode steps) over their sequences' cached keys, AVX-512.
+ *
+ * torch's CPU SDPA costs ~95 us for one row of 9 heads over 512 bf16 cells in a decode step (its
+ * flash kernel is built for blocks of queries); this reads each cached row once per kv head and
+ * takes ~10 us. Each (sequence, kv head) is one task computed alone, in float32, in a fixed order:
+ * a row's result does not depend on the other rows, their lengths or the thread count.
+ *
+ * q: float32 [S][heads][key_dim]. keys, values: [kv_heads][cells][dim] (bf16 or float32), one
+ * region per sequence: cells starts[s] .. starts[s] + used[s]. masks[s]: 0, or the address of
+ * used[s] bools (visible or not). out: float32 [S][heads][value_dim]. Heads h of kv head
+ * h / (heads / kv_heads). Dims are multiples of 16.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#if !defined(__AVX512F__) || !defined(__AVX512BW__)
+#error "decode_attention needs AVX-512 (F and BW)"
+#endif
+
+#define MAX_GROUP 16 /* query heads per kv head */
+#define VALUE_TILE 4 /* 16-float chunks of a value row accumulated in registers at a time */
+
+static inline __m512 load16(const void *base, int bf16, int64_t i)
+{
+    if (!bf16)
+        return _mm512_loadu_ps((const float *)base + i);
+    __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + i));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* Lane i: the sum of v[i]'s lanes; a fixed order of additions. */
+static inline __m512 sum16(const __m512 *v)
+{
+    __m512 t[8], u[4];
+    for (int i = 0; i < 8; i++)
+        t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) {
+        __m512d a = _mm512_castps_pd(t[2 * i]), b = _mm512_castps_pd(t[2 * i + 1]);
+        u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    __m512 y01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x44), _mm512_shuffle_f32x4(u[0], u[1], 0xEE));
+    __m512 y23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x44), _mm512_shuffle_f32x4(u[2], u[3], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(y01, y23, 0x88), _mm512_shuffle_f32x4(y01, y23, 0xDD));
+}
+
+/* e^x for x <= 0 (scores minus their maximum): 2^n e^r, |r| <= ln2 / 2, degree-6 Taylor (~1 ulp). */
+static inline __m512 exp_nonpositive(__m512 x)
+{
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 720);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+#define INLINE static inline __attribute__((always_inline))
+
+/* scores[g][j] = scale * q_g . key_j for the region's cells, -inf where masked */
+INLINE void scores_of(const float *q, int group, int64_t key_dim, const void *keys, int bf16, int64_t used,
+                      const uint8_t *mask, float scale, float *scores)
+{
+    __m512 partial[MAX_GROUP][16];
+    for (int64_t j0 = 0; j0 < used; j0 += 16) {
+        int count = used - j0 < 16 ? (int)(used - j0) : 16;
+        for (int j = 0; j < 16; j++) {
+            for (int g = 0; g < group; g++)
+                partial[g][j] = _mm512_setzero_ps();
+            if (j >= count)
+                continue;
+            for (int64_t c = 0; c < key_dim; c += 16) {
+                __m512 k = load16(keys, bf16, (j0 + j) * key_dim + c);
+                for (int g = 0; g < group; g++)
+                    partial[g][j] = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * key_dim + c), k, partial[g][j]);
+            }
+        }
+        __mmask16 lanes = (__mmask16)(count == 16 ? 0xFFFF : (1u << count) - 1);
+        __mmask16 visible = lanes;
+        if (mask) {
+            __m128i m = _mm_maskz_loadu_epi8(lanes, mask + j0);
+            visible = _mm_test_epi8_mask(m, m);
+        }
+        for (int g = 0; g < group; g++) {
+            __m512 s = _mm512_mul_ps(sum16(partial[g]), _mm512_set1_ps(scale));
+            s = _mm512_mask_blend_ps(visible, _mm512_set1_ps(-INFINITY), s);
+            _mm512_mask_storeu_ps(scores + g * used + j0, lanes, s);
+        }
+    }
+}
+
+/* scores -> unnormalized probabilities in place; returns their sum */
+static float softmax_numerators(float *scores, int64_t used)
+{
+    __m512 top = _mm512_set1_ps(-INFINITY);
+    for (int64_t j = 0; j < used; j += 16) {
+        __mmask16 lanes = (__mmask16)(used - j >= 16 ? 0xFFFF : (1u << (used - j)) - 1);
+        top = _mm512_mask_max_ps(top, lanes, top, _mm512_maskz_loadu_ps(lanes, scores + j));
+    }
+    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t j = 0; j < used; j += 16) {
+        __mmask16 lanes = (__mmask16)(used - j >= 16 ? 0xFFFF : (1u << (used - j)) - 1);
+        __m512 s = _mm512_maskz_loadu_ps(lanes, scores + j);
+        __mmask16 finite = _mm512_mask_cmp_ps_mask(lanes, s, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+        __m512 p = _mm512_maskz_mov_ps(finite, exp_nonpositive(_mm512_sub_ps(s, m)));
+        sum = _mm512_add_ps(sum, p);
+        _mm512_mask_storeu_ps(scores + j, lanes, p);
+    }
+    return _mm512_reduce_add_ps(sum);
+}
+
+/* out[g] = sum_j p[g][j] * value_j / total[g] */
+INLINE void weighted_values(const float *p, const float *total, int group, int64_t used, const void *values, int bf16,
+                            int64_t value_dim, float *out, int64_t out_stride)
+{
+    for (int64_t c0 = 0; c0 < value_dim; c0 += 16 * VALUE_TILE) {
+        int tiles = (value_dim - c0) / 16 < VALUE_TILE ? (int)((value_dim - c0) / 16) : VALUE_TILE;
+        __m512 acc[MAX_GROUP][VALUE_TILE];
+        for (int g = 0; g < group; g++)
+            for (int t = 0; t < VALUE_TILE; t++)
+                acc[g][t] = _mm512_setzero_ps();
+        for (int64_t j = 0; j < used; j++) {
+            for (int t = 0; t < tiles; t++) {
+                __m512 v = load16(values, bf16, j * value_dim + c0 + 16 * t);
+                for (int g = 0; g < group; g++)
+                    acc[g][t] = _mm512_fmadd_ps(_mm512_set1_ps(p[g * used + j]), v, acc[g][t]);
+            }
+        }
+        for (int g = 0; g < group; g++)
+            for (int t = 0; t < tiles; t++)
+                _mm512_storeu_ps(out + g * out_stride + c0 + 16 * t, _mm512_div_ps(acc[g][t], _mm512_set1_ps(total[g])));
+    }
+}
+
+/* One (sequence, kv head): its group of query heads over the region's cells. Inlined for each
+ * common group size, so that the per-head accumulators live in registers. */
+INLINE void task(const float *qs, int group, int64_t key_dim, int64_t value_dim, const char *k, const char *v, int bf16,
+                 int64_t n, const uint8_t *mask, float scale, float *p, float *out)
+{
+    float total[MAX_GROUP];
+    scores_of(qs, group, key_dim, k, bf16, n, mask, scale, p);
+    for (int g = 0; g < group; g++)
+        total[g] = softmax_numerators(p + g * n, n);
+    weighted_values(p, total, group, n, v, bf16, value_dim, out, value_dim);
+}
+
+static void task_any(const float *qs, int group, int64_t key_dim, int64_t value_dim, const char *k, const char *v, int bf16,
+                     int64_t n, const uint8_t *mask, float scale, float *p, float *out)
+{
+    switch (group) {
+#define GROUP(G) case G: task(qs, G, key_dim, value_dim, k, v, bf16, n, mask, scale, p, out); return;
+        GROUP(1) GROUP(2) GROUP(3) GROUP(4) GROUP(5) GROUP(6) GROUP(8)
+#undef GROUP
+    default:
+        task(qs, group, key_dim, value_dim, k, v, bf16, n, mask, scale, p, out);
+    }
+}
+
+/* Returns 0, or -1 when a group of heads is larger than MAX_GROUP or memory runs out. */
+int decode_attention(const float *q, int64_t S, int64_t heads, int64_t kv_heads, int64_t key_dim, int64_t value_dim,
+                     const void *keys, const void *values, int bf16, int64_t cells, const int64_t *starts,
+                     const int64_t *used, const int64_t *masks, float scale, float *out, int threads)
+{
+    const int group = (int)(heads / kv_heads);
+    if (group > MAX_GROUP)
+        return -1;
+    int failed = 0;
+    const size_t elem = bf16 ? 2 : 4;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) collapse(2) reduction(| : failed)
+    for (int64_t s = 0; s < S; s++) {
+        for (int64_t kvh = 0; kvh < kv_heads; kvh++) {
+            const int64_t n = used[s];
+            float *p = malloc((size_t)(group * n) * sizeof(float));
+            if (!p) {
+                failed = 1;
+                continue;
+            }
+            const char *k = (const char *)keys + ((kvh * cells + starts[s]) * key_dim) * elem;
+            const char *v = (const char *)values + ((kvh * cells + starts[s]) * value_dim) * elem;
+            task_any(q + (s * heads + kvh * group) * key_dim, group, key_dim, value_dim, k, v, bf16, n,
+                     (const uint8_t *)(intptr_t)masks[s], scale, p, out + (s * heads + kvh * group) * value_dim);
+            free(p);
+        }
+    }
+    return failed ? -1 : 0;
+}
