@@ -72,7 +72,8 @@ def _build(name: str) -> Path | None:
     if compiler is None or platform.machine() not in ("x86_64", "AMD64"):
         return None
     key = hashlib.sha256()
-    for part in (source.read_bytes(), _compiler_version(compiler).encode(), _cpu_features().encode(), " ".join(FLAGS).encode()):
+    headers = [path.read_bytes() for path in sorted(SOURCE_DIR.glob("*.h"))]
+    for part in (source.read_bytes(), *headers, _compiler_version(compiler).encode(), _cpu_features().encode(), " ".join(FLAGS).encode()):
         key.update(part)
     target = cache_dir() / f"{name}-{key.hexdigest()[:16]}.so"
     if target.exists():
@@ -107,6 +108,7 @@ _i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 # function -> (source file, argument types)
 SIGNATURES = {
     "int4_blocks_matmul": ("int4_blocks", (_ptr, _int, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _int)),
+    "int8_rows_matmul": ("int8_rows", (_ptr, _int, _i64, _i64, _ptr, _ptr, _i64, _ptr, _int)),
     "rms_norm": ("rms_norm", (_ptr, _int, _i64, _i64, _ptr, ctypes.c_float, _ptr, _int)),
     "decode_attention": (
         "decode_attention",
@@ -151,6 +153,26 @@ def int4_blocks_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tenso
         function("int4_blocks_matmul")(
             x.data_ptr(), x.dtype is torch.bfloat16, rows, cols, codes.data_ptr(), scales.data_ptr(),
             mins.data_ptr(), codes.shape[0], out.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+    return out
+
+
+def takes_int8_rows(codes: torch.Tensor) -> bool:
+    """Whether the native int8 kernel takes a weight of these codes [out, in]."""
+    out_features, in_features = codes.shape
+    return codes.device.type == "cpu" and out_features % 16 == 0 and in_features % 32 == 0 and has("int8_rows_matmul")
+
+
+def int8_rows_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x [rows, in] (float32 or bf16) times (codes int8 [out, in] * scales bf16 [out])^T -> float32
+    [rows, out] (native/int8_rows.c)."""
+    x = _floats(x)
+    rows, cols = x.shape
+    out = torch.empty((rows, codes.shape[0]), dtype=torch.float32)
+    if rows:
+        function("int8_rows_matmul")(
+            x.data_ptr(), x.dtype is torch.bfloat16, rows, cols, codes.data_ptr(), scales.data_ptr(), codes.shape[0],
+            out.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
     return out
 

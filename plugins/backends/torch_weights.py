@@ -307,7 +307,8 @@ class Int8Weight:
         return self.codes.float() * self.scales.float()[:, None]
 
     def matmul(self, x: torch.Tensor, runs: Runs = None) -> torch.Tensor:
-        return _long_runs(x, runs, self._kernel, self._int8_rows)
+        dtype = torch.float32 if torch_native.takes_int8_rows(self.codes) else torch.bfloat16
+        return _long_runs(x, runs, self._kernel, self._int8_rows, dtype)
 
     def _int8_rows(self, runs: list[torch.Tensor]) -> list[torch.Tensor]:
         # Prompt chunks: int8 x int8 products, ~2.5x faster than dequantizing for float32 BLAS.
@@ -315,6 +316,8 @@ class Int8Weight:
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         # Row-exact: every row is computed alone, whatever the batch.
+        if torch_native.takes_int8_rows(self.codes):
+            return torch_native.int8_rows_matmul(x, self.codes, self.scales)
         return torch._weight_int8pack_mm(x.to(torch.bfloat16), self.codes, self.scales)
 
 

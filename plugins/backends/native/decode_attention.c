@@ -2,48 +2,20 @@
  *
  * torch's CPU SDPA costs ~95 us for one row of 9 heads over 512 bf16 cells in a decode step (its
  * flash kernel is built for blocks of queries); this reads each cached row once per kv head and
- * takes ~10 us. Each (sequence, kv head) is one task computed alone, in float32, in a fixed order:
- * a row's result does not depend on the other rows, their lengths or the thread count.
+ * takes ~15 us. Each (sequence, query head) is computed alone, in float32, in a fixed order: a row's
+ * result does not depend on the other rows, their lengths or the thread count.
  *
  * q: float32 [S][heads][key_dim]. keys, values: [kv_heads][cells][dim] (bf16 or float32), one
  * region per sequence: cells starts[s] .. starts[s] + used[s]. masks[s]: 0, or the address of
  * used[s] bools (visible or not). out: float32 [S][heads][value_dim]. Heads h of kv head
  * h / (heads / kv_heads). Dims are multiples of 16.
  */
-#include <immintrin.h>
-#include <math.h>
-#include <stdint.h>
 #include <stdlib.h>
 
-#if !defined(__AVX512F__) || !defined(__AVX512BW__)
-#error "decode_attention needs AVX-512 (F and BW)"
-#endif
+#include "simd.h"
 
 #define MAX_GROUP 16 /* query heads per kv head */
 #define VALUE_TILE 4 /* 16-float chunks of a value row accumulated in registers at a time */
-
-static inline __m512 load16(const void *base, int bf16, int64_t i)
-{
-    if (!bf16)
-        return _mm512_loadu_ps((const float *)base + i);
-    __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + i));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-/* Lane i: the sum of v[i]'s lanes; a fixed order of additions. */
-static inline __m512 sum16(const __m512 *v)
-{
-    __m512 t[8], u[4];
-    for (int i = 0; i < 8; i++)
-        t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-    for (int i = 0; i < 4; i++) {
-        __m512d a = _mm512_castps_pd(t[2 * i]), b = _mm512_castps_pd(t[2 * i + 1]);
-        u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-    }
-    __m512 y01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x44), _mm512_shuffle_f32x4(u[0], u[1], 0xEE));
-    __m512 y23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x44), _mm512_shuffle_f32x4(u[2], u[3], 0xEE));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(y01, y23, 0x88), _mm512_shuffle_f32x4(y01, y23, 0xDD));
-}
 
 /* e^x for x <= 0 (scores minus their maximum): 2^n e^r, |r| <= ln2 / 2, degree-6 Taylor (~1 ulp). */
 static inline __m512 exp_nonpositive(__m512 x)
@@ -62,8 +34,6 @@ static inline __m512 exp_nonpositive(__m512 x)
     return _mm512_scalef_ps(p, n);
 }
 
-#define INLINE static inline __attribute__((always_inline))
-
 /* scores[g][j] = scale * q_g . key_j for the region's cells, -inf where masked */
 INLINE void scores_of(const float *q, int group, int64_t key_dim, const void *keys, int bf16, int64_t used,
                       const uint8_t *mask, float scale, float *scores)
@@ -77,7 +47,7 @@ INLINE void scores_of(const float *q, int group, int64_t key_dim, const void *ke
             if (j >= count)
                 continue;
             for (int64_t c = 0; c < key_dim; c += 16) {
-                __m512 k = load16(keys, bf16, (j0 + j) * key_dim + c);
+                __m512 k = load16_all(keys, bf16, (j0 + j) * key_dim + c);
                 for (int g = 0; g < group; g++)
                     partial[g][j] = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * key_dim + c), k, partial[g][j]);
             }
@@ -129,7 +99,7 @@ INLINE void weighted_values(const float *p, const float *total, int group, int64
                 acc[g][t] = _mm512_setzero_ps();
         for (int64_t j = 0; j < used; j++) {
             for (int t = 0; t < tiles; t++) {
-                __m512 v = load16(values, bf16, j * value_dim + c0 + 16 * t);
+                __m512 v = load16_all(values, bf16, j * value_dim + c0 + 16 * t);
                 for (int g = 0; g < group; g++)
                     acc[g][t] = _mm512_fmadd_ps(_mm512_set1_ps(p[g * used + j]), v, acc[g][t]);
             }
@@ -164,7 +134,9 @@ static void task_any(const float *qs, int group, int64_t key_dim, int64_t value_
     }
 }
 
-/* Returns 0, or -1 when a group of heads is larger than MAX_GROUP or memory runs out. */
+/* Returns 0, or -1 when a group of heads is larger than MAX_GROUP or memory runs out. Fewer
+ * (sequence, kv head) pairs than threads are split by query heads, so that every thread has
+ * work: each head's arithmetic is the same either way. */
 int decode_attention(const float *q, int64_t S, int64_t heads, int64_t kv_heads, int64_t key_dim, int64_t value_dim,
                      const void *keys, const void *values, int bf16, int64_t cells, const int64_t *starts,
                      const int64_t *used, const int64_t *masks, float scale, float *out, int threads)
@@ -172,23 +144,29 @@ int decode_attention(const float *q, int64_t S, int64_t heads, int64_t kv_heads,
     const int group = (int)(heads / kv_heads);
     if (group > MAX_GROUP)
         return -1;
+    int64_t parts = 1; /* tasks per (sequence, kv head): the fewest that give every thread one */
+    while (S * kv_heads * parts < threads && parts < group) {
+        do
+            parts++;
+        while (group % parts);
+    }
+    const int part = group / (int)parts; /* query heads per task */
     int failed = 0;
     const size_t elem = bf16 ? 2 : 4;
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) collapse(2) reduction(| : failed)
-    for (int64_t s = 0; s < S; s++) {
-        for (int64_t kvh = 0; kvh < kv_heads; kvh++) {
-            const int64_t n = used[s];
-            float *p = malloc((size_t)(group * n) * sizeof(float));
-            if (!p) {
-                failed = 1;
-                continue;
-            }
-            const char *k = (const char *)keys + ((kvh * cells + starts[s]) * key_dim) * elem;
-            const char *v = (const char *)values + ((kvh * cells + starts[s]) * value_dim) * elem;
-            task_any(q + (s * heads + kvh * group) * key_dim, group, key_dim, value_dim, k, v, bf16, n,
-                     (const uint8_t *)(intptr_t)masks[s], scale, p, out + (s * heads + kvh * group) * value_dim);
-            free(p);
+#pragma omp parallel for num_threads(threads) schedule(static) reduction(| : failed)
+    for (int64_t task = 0; task < S * kv_heads * parts; task++) {
+        const int64_t s = task / (kv_heads * parts), kvh = task / parts % kv_heads, head = kvh * group + task % parts * part;
+        const int64_t n = used[s];
+        float *p = malloc((size_t)(part * n) * sizeof(float));
+        if (!p) {
+            failed = 1;
+            continue;
         }
+        const char *k = (const char *)keys + ((kvh * cells + starts[s]) * key_dim) * elem;
+        const char *v = (const char *)values + ((kvh * cells + starts[s]) * value_dim) * elem;
+        task_any(q + (s * heads + head) * key_dim, part, key_dim, value_dim, k, v, bf16, n, (const uint8_t *)(intptr_t)masks[s],
+                 scale, p, out + (s * heads + head) * value_dim);
+        free(p);
     }
     return failed ? -1 : 0;
 }

@@ -14,33 +14,11 @@
  * float [N / 16][K / 32][16], each group of 16 rows transposed so one vector load serves the group.
  * Requires K % 64 == 0 and N % 16 == 0.
  */
-#include <immintrin.h>
-#include <math.h>
-#include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
-#if !defined(__AVX512F__) || !defined(__AVX512BW__)
-#error "int4_blocks needs AVX-512 (F and BW)"
-#endif
+#include "simd.h"
 
 #define ROW_TILE 4
-
-#ifdef __AVX512VNNI__
-#define DOT16(acc, a, b) _mm512_dpwssd_epi32((acc), (a), (b))
-#else
-#define DOT16(acc, a, b) _mm512_add_epi32((acc), _mm512_madd_epi16((a), (b)))
-#endif
-
-static inline float load_value(const void *x, int bf16, int64_t i)
-{
-    if (!bf16)
-        return ((const float *)x)[i];
-    uint32_t bits = (uint32_t)((const uint16_t *)x)[i] << 16;
-    float v;
-    memcpy(&v, &bits, sizeof v);
-    return v;
-}
 
 /* One activation row -> int16 codes laid out like the unpacked weights (per 64 elements: the
  * first 16 of each block of 32, then the last 16 of each), the row's scale, and each block's sum
@@ -48,12 +26,7 @@ static inline float load_value(const void *x, int bf16, int64_t i)
 static void quantize_row(const void *x, int bf16, int64_t row, int64_t K, int16_t *codes, float *scale, float *sums)
 {
     const int64_t base = row * K;
-    float amax = 0.0f;
-    for (int64_t k = 0; k < K; k++) {
-        float a = fabsf(load_value(x, bf16, base + k));
-        amax = a > amax ? a : amax;
-    }
-    const float s = amax / 32767.0f;
+    const float s = absmax(x, bf16, base, K) / 32767.0f;
     *scale = s;
     for (int64_t b = 0; b < K / 32; b++) {
         float sum = 0.0f;
@@ -66,28 +39,9 @@ static void quantize_row(const void *x, int bf16, int64_t row, int64_t K, int16_
             /* position i of pair p: which element of the two blocks it holds */
             int half = i / 32, lane = i % 32;
             int64_t k = 64 * p + (lane < 16 ? 0 : 32) + 16 * half + lane % 16;
-            float v = load_value(x, bf16, base + k);
-            float q = s > 0.0f ? nearbyintf(v / s) : 0.0f;
-            q = q > 32767.0f ? 32767.0f : (q < -32767.0f ? -32767.0f : q);
-            codes[64 * p + i] = (int16_t)q;
+            codes[64 * p + i] = code16(load_value(x, bf16, base + k), s);
         }
     }
-}
-
-/* The sums of 16 vectors, as one vector (lane i: the sum of v[i]); a fixed order of additions. */
-static inline __m512 sum16(__m512 *v)
-{
-    __m512 t[8], u[4];
-    for (int i = 0; i < 8; i++)
-        t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-    for (int i = 0; i < 4; i++) {
-        __m512d a = _mm512_castps_pd(t[2 * i]), b = _mm512_castps_pd(t[2 * i + 1]);
-        u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-    }
-    /* u[i]: each 128-bit chunk holds partial sums of v[4i .. 4i + 3] */
-    __m512 y01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x44), _mm512_shuffle_f32x4(u[0], u[1], 0xEE));
-    __m512 y23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x44), _mm512_shuffle_f32x4(u[2], u[3], 0xEE));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(y01, y23, 0x88), _mm512_shuffle_f32x4(y01, y23, 0xDD));
 }
 
 /* 16 output rows (a group) times up to ROW_TILE activation rows. */

@@ -1,41 +1,22 @@
 /* RMS norm of float32 or bf16 rows, AVX-512: one call instead of torch's six kernels (pow, mean,
  * add, rsqrt and two products, ~20 us a call for one 576-wide row in a decode step, 2 us here).
  * y = x * (1 / sqrt(mean(x^2) + eps)) * w, float32 out, each row computed alone. */
-#include <immintrin.h>
-#include <math.h>
-#include <stdint.h>
-
-#if !defined(__AVX512F__) || !defined(__AVX512BW__)
-#error "rms_norm needs AVX-512 (F and BW)"
-#endif
+#include "simd.h"
 
 /* Rows from which the work is split across threads. */
 #define PARALLEL_ROWS 16
-
-static inline __m512 load16(const void *x, int bf16, int64_t i, __mmask16 mask)
-{
-    if (!bf16)
-        return _mm512_maskz_loadu_ps(mask, (const float *)x + i);
-    __m256i h = _mm256_maskz_loadu_epi16(mask, (const uint16_t *)x + i);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-static inline __mmask16 tail(int64_t left)
-{
-    return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
-}
 
 static void norm_row(const void *x, int bf16, int64_t row, int64_t dim, const float *w, float eps, float *y)
 {
     const int64_t base = row * dim;
     __m512 acc = _mm512_setzero_ps();
     for (int64_t i = 0; i < dim; i += 16) {
-        __m512 v = load16(x, bf16, base + i, tail(dim - i));
+        __m512 v = load16(x, bf16, base + i, lanes_left(dim - i));
         acc = _mm512_fmadd_ps(v, v, acc);
     }
     const __m512 r = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(acc) / (float)dim + eps));
     for (int64_t i = 0; i < dim; i += 16) {
-        __mmask16 mask = tail(dim - i);
+        __mmask16 mask = lanes_left(dim - i);
         __m512 v = _mm512_mul_ps(_mm512_mul_ps(load16(x, bf16, base + i, mask), r), _mm512_maskz_loadu_ps(mask, w + i));
         _mm512_mask_storeu_ps(y + base + i, mask, v);
     }

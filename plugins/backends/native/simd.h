@@ -1,0 +1,88 @@
+/* AVX-512 helpers shared by the native kernels. */
+#ifndef CORRAL_SIMD_H
+#define CORRAL_SIMD_H
+
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#if !defined(__AVX512F__) || !defined(__AVX512BW__)
+#error "corral's native kernels need AVX-512 (F and BW)"
+#endif
+
+#define INLINE static inline __attribute__((always_inline))
+
+/* Lanes of a row of `left` more values (all 16 when 16 or more are left). */
+INLINE __mmask16 lanes_left(int64_t left)
+{
+    return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+}
+
+/* 16 values from x[i] (float32, or bf16 when bf16 is set) as floats; masked lanes read as 0. */
+INLINE __m512 load16(const void *x, int bf16, int64_t i, __mmask16 mask)
+{
+    if (!bf16)
+        return _mm512_maskz_loadu_ps(mask, (const float *)x + i);
+    __m256i h = _mm256_maskz_loadu_epi16(mask, (const uint16_t *)x + i);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* 16 values from x[i], all lanes (no mask: the hot loops' form). */
+INLINE __m512 load16_all(const void *x, int bf16, int64_t i)
+{
+    if (!bf16)
+        return _mm512_loadu_ps((const float *)x + i);
+    __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)x + i));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+INLINE float load_value(const void *x, int bf16, int64_t i)
+{
+    if (!bf16)
+        return ((const float *)x)[i];
+    uint32_t bits = (uint32_t)((const uint16_t *)x)[i] << 16;
+    float v;
+    memcpy(&v, &bits, sizeof v);
+    return v;
+}
+
+/* The largest |value| of x[base .. base + n). */
+INLINE float absmax(const void *x, int bf16, int64_t base, int64_t n)
+{
+    __m512 top = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 16)
+        top = _mm512_max_ps(top, _mm512_abs_ps(load16(x, bf16, base + i, lanes_left(n - i))));
+    return _mm512_reduce_max_ps(top);
+}
+
+/* The int16 code of v at scale s (|code| <= 32767), rounding to nearest even. */
+INLINE int16_t code16(float v, float s)
+{
+    float q = s > 0.0f ? nearbyintf(v / s) : 0.0f;
+    return (int16_t)(q > 32767.0f ? 32767.0f : (q < -32767.0f ? -32767.0f : q));
+}
+
+/* Lane i: the sum of v[i]'s 16 lanes, in a fixed order of additions. */
+INLINE __m512 sum16(const __m512 *v)
+{
+    __m512 t[8], u[4];
+    for (int i = 0; i < 8; i++)
+        t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) {
+        __m512d a = _mm512_castps_pd(t[2 * i]), b = _mm512_castps_pd(t[2 * i + 1]);
+        u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    /* u[i]: each 128-bit chunk holds partial sums of v[4i .. 4i + 3] */
+    __m512 y01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x44), _mm512_shuffle_f32x4(u[0], u[1], 0xEE));
+    __m512 y23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x44), _mm512_shuffle_f32x4(u[2], u[3], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(y01, y23, 0x88), _mm512_shuffle_f32x4(y01, y23, 0xDD));
+}
+
+#ifdef __AVX512VNNI__
+#define DOT16(acc, a, b) _mm512_dpwssd_epi32((acc), (a), (b))
+#else
+#define DOT16(acc, a, b) _mm512_add_epi32((acc), _mm512_madd_epi16((a), (b)))
+#endif
+
+#endif
