@@ -236,15 +236,33 @@ def int4_codes(raw: torch.Tensor, qtype: Q, cols: int) -> tuple[torch.Tensor, to
     return codes, scales, mins + 8 * scales
 
 
-def int4_requantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def int4_requantize(weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A float weight [rows, cols] rounded to int4 per group of 32 (min to max in 15 steps):
-    (codes uint8 [rows, cols], scales, mins float32 [rows, cols // 32]). Lossy, unlike int4_blocks."""
+    (codes uint8 [rows, cols], scales, mins [rows, cols // 32], float32 values exact in `dtype`).
+    Lossy, unlike int4_blocks."""
     rows, cols = weight.shape
     groups = weight.reshape(rows, cols // INT4_GROUP, INT4_GROUP)
     low, high = groups.amin(dim=-1), groups.amax(dim=-1)
     scales = ((high - low) / 15).clamp_min(torch.finfo(torch.float32).tiny)
+    if dtype != torch.float32:  # a step no smaller and a min no larger: the codes still span each group
+        near_scales, near_low = rounded(scales, dtype, up=True), rounded(low, dtype, up=False)
+        fits = near_scales.isfinite() & near_low.isfinite()  # groups beyond dtype's range stay float32
+        scales, low = torch.where(fits, near_scales, scales), torch.where(fits, near_low, low)
     codes = torch.round((groups - low[..., None]) / scales[..., None]).clamp_(0, 15).to(torch.uint8)
     return codes.reshape(rows, cols), scales, low
+
+
+def rounded(values: torch.Tensor, dtype: torch.dtype, up: bool) -> torch.Tensor:
+    """Each float32 value rounded to the nearest `dtype` value at least (up) or at most it, as float32."""
+    near = values.to(dtype)
+    off = near.float() < values if up else near.float() > values
+    toward = torch.full_like(near, float("inf") if up else float("-inf"))
+    return torch.where(off, torch.nextafter(near, toward), near).float()
+
+
+def exact_in(values: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether every value survives a round trip through `dtype` (finite and unrounded)."""
+    return torch.equal(values.to(dtype).float(), values.float())
 
 
 def scales_and_zeros(scales: torch.Tensor, zeros: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -10,8 +10,9 @@
  *
  * Weights: w[n][k] = scale[n][b] * q + min[n][b], b = k / 32, q in 0..15 (Q4_0, Q4_1, Q4_K map
  * onto it exactly). Codes [N][K / 2]: byte j of block b holds element 32b + j in its low nibble
- * and element 32b + 16 + j in its high nibble (ggml's order). Scales: float [N][K / 32]. Mins:
- * float [N / 16][K / 32][16], each group of 16 rows transposed so one vector load serves the group.
+ * and element 32b + 16 + j in its high nibble (ggml's order). Scales: [N][K / 32]. Mins:
+ * [N / 16][K / 32][16], each group of 16 rows transposed so one vector load serves the group. Both
+ * float16 where they are exact in it (Q4_0, Q4_1: a sixth fewer bytes to read), else float32.
  * Requires K % 64 == 0 and N % 16 == 0.
  */
 #include <stdlib.h>
@@ -44,9 +45,25 @@ static void quantize_row(const void *x, int bf16, int64_t row, int64_t K, int16_
     }
 }
 
-/* 16 output rows (a group) times up to ROW_TILE activation rows. */
-static inline void group(const uint8_t *codes, const float *scales, const float *mins, int64_t K,
-                         const int16_t *xq, const float *xs, const float *xsums, int rows, float *y, int64_t ldy)
+/* Block b's and b+1's scales, as floats in lanes 0 and 1. */
+INLINE __m128 scale_pair(const void *scales, int half, int64_t b)
+{
+    if (half)
+        return _mm_cvtph_ps(_mm_cvtsi32_si128(*(const int32_t *)((const uint16_t *)scales + b)));
+    return _mm_castpd_ps(_mm_load_sd((const double *)((const float *)scales + b)));
+}
+
+INLINE __m512 min16(const void *mins, int half, int64_t i)
+{
+    if (half)
+        return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)mins + i)));
+    return _mm512_loadu_ps((const float *)mins + i);
+}
+
+/* 16 output rows (a group) times up to ROW_TILE activation rows. Scales and mins are float16
+ * when `half` (a constant in each inlined copy), else float32. */
+INLINE void group(const uint8_t *codes, const void *scales, const void *mins, int half, int64_t K, const int16_t *xq,
+                  const float *xs, const float *xsums, int rows, float *y, int64_t ldy)
 {
     const __m512i low = _mm512_set1_epi16(0x0F);
     const __m512i pick = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
@@ -54,7 +71,6 @@ static inline void group(const uint8_t *codes, const float *scales, const float 
     __m512 acc[ROW_TILE][16];
     for (int n = 0; n < 16; n++) {
         const uint8_t *wc = codes + n * (K / 2);
-        const float *ws = scales + n * blocks;
         __m512 a[ROW_TILE];
         for (int t = 0; t < ROW_TILE; t++)
             a[t] = _mm512_setzero_ps();
@@ -62,7 +78,7 @@ static inline void group(const uint8_t *codes, const float *scales, const float 
             __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(wc + 32 * p)));
             __m512i lo = _mm512_and_si512(w, low), hi = _mm512_srli_epi16(w, 4);
             /* lanes 0-7 hold block 2p's sums, lanes 8-15 block 2p+1's */
-            __m512 sv = _mm512_permutexvar_ps(pick, _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd((const double *)(ws + 2 * p)))));
+            __m512 sv = _mm512_permutexvar_ps(pick, _mm512_castps128_ps512(scale_pair(scales, half, n * blocks + 2 * p)));
             for (int t = 0; t < rows; t++) {
                 const int16_t *q = xq + t * K + 64 * p;
                 __m512i s = DOT16(_mm512_setzero_si512(), lo, _mm512_loadu_si512(q));
@@ -77,18 +93,19 @@ static inline void group(const uint8_t *codes, const float *scales, const float 
         /* mins are stored [blocks][16] per group: one vector per block */
         __m512 m = _mm512_setzero_ps();
         for (int64_t b = 0; b < blocks; b++)
-            m = _mm512_fmadd_ps(_mm512_loadu_ps(mins + 16 * b), _mm512_set1_ps(xsums[t * blocks + b]), m);
+            m = _mm512_fmadd_ps(min16(mins, half, 16 * b), _mm512_set1_ps(xsums[t * blocks + b]), m);
         _mm512_storeu_ps(y + t * ldy, _mm512_fmadd_ps(sum16(acc[t]), _mm512_set1_ps(xs[t]), m));
     }
 }
 
-/* y[M][N] (float) = x[M][K] (float, or bf16 when x_bf16) times the weights' transpose.
- * N % 16 == 0; mins laid out [N / 16][K / 32][16]. */
-void int4_blocks_matmul(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *codes, const float *scales,
-                        const float *mins, int64_t N, float *y, int threads)
+/* y[M][N] (float) = x[M][K] (float, or bf16 when x_bf16) times the weights' transpose; scales and
+ * mins float16 when `half`, else float32. N % 16 == 0; mins laid out [N / 16][K / 32][16]. */
+void int4_blocks_matmul(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *codes, const void *scales,
+                        const void *mins, int half, int64_t N, float *y, int threads)
 {
     if (M <= 0)
         return;
+    const size_t width = half ? 2 : 4;
     int16_t *xq = aligned_alloc(64, (size_t)(M * K * sizeof(int16_t) + 63) / 64 * 64);
     float *xs = malloc((size_t)M * sizeof(float));
     float *xsums = malloc((size_t)(M * (K / 32)) * sizeof(float));
@@ -96,10 +113,14 @@ void int4_blocks_matmul(const void *x, int x_bf16, int64_t M, int64_t K, const u
         quantize_row(x, x_bf16, m, K, xq + m * K, xs + m, xsums + m * (K / 32));
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t g = 0; g < N / 16; g++) {
+        const uint8_t *c = codes + 16 * g * (K / 2);
+        const char *s = (const char *)scales + 16 * g * (K / 32) * width, *mn = (const char *)mins + 16 * g * (K / 32) * width;
         for (int64_t m = 0; m < M; m += ROW_TILE) {
             int rows = M - m < ROW_TILE ? (int)(M - m) : ROW_TILE;
-            group(codes + 16 * g * (K / 2), scales + 16 * g * (K / 32), mins + 16 * g * (K / 32), K, xq + m * K, xs + m,
-                  xsums + m * (K / 32), rows, y + m * N + 16 * g, N);
+            if (half)
+                group(c, s, mn, 1, K, xq + m * K, xs + m, xsums + m * (K / 32), rows, y + m * N + 16 * g, N);
+            else
+                group(c, s, mn, 0, K, xq + m * K, xs + m, xsums + m * (K / 32), rows, y + m * N + 16 * g, N);
         }
     }
     free(xq);
