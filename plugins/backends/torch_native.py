@@ -88,6 +88,9 @@ def _build(name: str) -> Path | None:
             log.warning("native kernel %s not built, using torch's kernels: %s", name, result.stderr.strip()[-2000:])
             return None
         os.replace(built, target)  # atomic: a concurrent process sees the whole library or none
+    for stale in target.parent.glob(f"{name}-*.so"):  # earlier sources' builds (a loaded one stays mapped)
+        if stale != target:
+            stale.unlink(missing_ok=True)
     return target
 
 

@@ -1,0 +1,281 @@
+"""The torch backend's native CPU kernels (torch_native.py, native/*.c): built here, against float64
+references, batch-invariant bit for bit, and replaced by torch's kernels where they cannot be built."""
+
+from __future__ import annotations
+
+import logging
+import platform
+import shutil
+import types
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from test_torch_quant import INT4, cols_of, random_raw, reference
+
+from corral.plugins.backends import torch_attention, torch_native, torch_quant
+from corral.plugins.backends.torch import TorchBackend
+from corral.plugins.backends.torch_fusion import stack_weights
+from corral.plugins.backends.torch_weights import Int4Blocks, Int4Weight, Int8Weight, MappedRows, requantized_int4
+
+Q = gguf.GGMLQuantizationType
+
+
+def _avx512_here() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return platform.machine() == "x86_64" and "avx512bw" in flags and shutil.which("cc") is not None
+
+
+needs_native = pytest.mark.skipif(not torch_native.has("int4_blocks_matmul"), reason="no AVX-512 C build here")
+
+
+def randn(*shape: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture
+def fresh_native(monkeypatch, tmp_path):
+    """torch_native with its caches cleared (and cleared again afterwards), kernels built into tmp_path."""
+    monkeypatch.setenv("CORRAL_KERNELS", str(tmp_path / "kernels"))
+    torch_native.load.cache_clear()
+    torch_native.function.cache_clear()
+    yield tmp_path / "kernels"
+    monkeypatch.undo()
+    torch_native.load.cache_clear()
+    torch_native.function.cache_clear()
+
+
+# --- the build --------------------------------------------------------------------------------------
+def test_every_kernel_builds_on_an_avx512_machine_with_a_compiler(fresh_native):
+    if not _avx512_here():
+        pytest.skip("not an AVX-512 machine with cc")
+    assert all(torch_native.has(name) for name in torch_native.SIGNATURES)
+    built = sorted(path.name for path in fresh_native.iterdir())
+    assert len(built) == len({source for source, _ in torch_native.SIGNATURES.values()})
+    assert all(name.endswith(".so") for name in built)
+
+
+def test_disabled_native_kernels_leave_torchs_layouts(fresh_native, monkeypatch):
+    monkeypatch.setenv("CORRAL_NATIVE_KERNELS", "0")
+    assert torch_native.load("int4_blocks") is None and not torch_native.has("rms_norm")
+    assert not Int4Blocks.takes(64, 64)
+    raw = torch.from_numpy(random_raw(Q.Q4_0, rows=64, blocks_per_row=2))
+    assert type(requantized_int4(raw, Q.Q4_0, 64)) is Int4Weight
+    assert not fresh_native.exists()  # nothing was compiled
+
+
+def test_a_failing_compiler_falls_back_to_torch_with_a_warning(fresh_native, monkeypatch, caplog):
+    monkeypatch.setenv("CC", "false")  # exits 1 whatever it is given
+    with caplog.at_level(logging.WARNING, logger="corral.plugins.backends.torch_native"):
+        assert torch_native.function("rms_norm") is None
+    assert "not built" in caplog.text
+
+
+# --- int4 blocks ------------------------------------------------------------------------------------
+def random_blocks(rows: int, cols: int, half: bool, seed: int = 0) -> tuple[Int4Blocks, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (rows, cols), dtype=torch.uint8, generator=gen)
+    scales = torch.rand(rows, cols // 32, generator=gen) * 0.02
+    mins = -torch.rand(rows, cols // 32, generator=gen) * 0.1
+    if half:
+        scales, mins = scales.half().float(), mins.half().float()
+    else:
+        scales = scales + 1e-9  # not exact in float16
+    weight = (codes.float().view(rows, -1, 32) * scales[..., None] + mins[..., None]).view(rows, cols)
+    return Int4Blocks.from_codes(codes, scales, mins), weight
+
+
+@needs_native
+@pytest.mark.parametrize("half", [True, False], ids=["f16", "f32"])
+@pytest.mark.parametrize(("rows", "cols"), [(16, 64), (48, 576), (32, 1024)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_int4_blocks_matmul_matches_float64(half, rows, cols, dtype):
+    layer, weight = random_blocks(rows, cols, half)
+    assert layer.scales.dtype == layer.mins.dtype == (torch.float16 if half else torch.float32)
+    x = randn(9, cols, seed=1).to(dtype)
+    x[:, 3] *= 50  # an outlier feature
+    expected = x.double() @ weight.double().T
+    got = layer.matmul(x)
+    assert got.dtype == torch.float32
+    # int16 activations: each off by at most 1/65534 of its row's largest value
+    bound = (x.double().abs().amax(1, keepdim=True) / 65534) @ weight.double().abs().sum(1, keepdim=True).T
+    assert ((got.double() - expected).abs() <= bound + 1e-5 * expected.abs().max()).all()
+
+
+@needs_native
+def test_int4_blocks_rows_are_the_same_alone_and_batched():
+    layer, _ = random_blocks(64, 576, half=True)
+    x = randn(11, 576, seed=2)
+    batched = layer.matmul(x)
+    for i in range(11):
+        assert torch.equal(layer.matmul(x[i : i + 1])[0], batched[i])
+    torch.set_num_threads(1)
+    try:
+        assert torch.equal(layer.matmul(x), batched)
+    finally:
+        torch.set_num_threads(2)
+
+
+@needs_native
+@pytest.mark.parametrize("qtype", INT4, ids=lambda q: q.name)
+def test_int4_blocks_of_gguf_bytes_hold_the_files_weights(qtype):
+    raw = random_raw(qtype, rows=32, blocks_per_row=4 if qtype != Q.Q4_K else 1)
+    cols = cols_of(qtype, raw)
+    codes, scales, mins = torch_quant.int4_blocks(torch.from_numpy(raw), qtype, cols)
+    layer = Int4Blocks.from_codes(codes, scales, mins)
+    # Q4_0 and Q4_1 store float16 scales and mins in the file: kept exactly so
+    assert layer.scales.dtype == (torch.float32 if qtype == Q.Q4_K else torch.float16)
+    exact = reference(qtype, raw)
+    rebuilt = codes.float().view(32, -1, 32) * layer.scales.float()[..., None]
+    rebuilt += layer.mins.float().transpose(1, 2).reshape(32, -1)[..., None]
+    assert torch.allclose(rebuilt.view(32, cols), exact, rtol=0, atol=1e-6 * exact.abs().max().item())
+    x = randn(3, cols, seed=3)
+    expected = x.double() @ exact.double().T
+    assert torch.allclose(layer.matmul(x).double(), expected, rtol=0, atol=2e-4 * expected.abs().max().item())
+
+
+@needs_native
+def test_int4_blocks_long_runs_use_the_files_exact_weights_in_float32():
+    raw = torch.from_numpy(random_raw(Q.Q4_1, rows=32, blocks_per_row=2))
+    layer = Int4Blocks.from_codes(*torch_quant.int4_blocks(raw, Q.Q4_1, 64), MappedRows(raw, Q.Q4_1, 64))
+    x = randn(40, 64, seed=4)
+    got = layer.matmul(x, [(0, 1), (1, 40)])
+    assert got.dtype == torch.float32
+    assert torch.equal(got[1:], F.linear(x[1:], reference(Q.Q4_1, raw.numpy())))
+    assert torch.equal(got[:1], layer.matmul(x[:1]))  # the single row: the kernel, as alone
+
+
+@needs_native
+def test_stacked_int4_blocks_compute_each_part_and_share_their_storage():
+    parts = [random_blocks(rows, 128, half=True, seed=i)[0] for i, rows in enumerate((64, 32, 16))]
+    x = randn(3, 128, seed=5)
+    separate = torch.cat([part.matmul(x) for part in parts], dim=1)
+    stacked = stack_weights(parts)
+    assert torch.equal(stacked.matmul(x), separate)
+    for part in parts:
+        assert part.codes.untyped_storage().data_ptr() == stacked.codes.untyped_storage().data_ptr()
+    assert stack_weights([parts[0], random_blocks(16, 128, half=False)[0]]) is None  # mixed scale dtypes
+
+
+@needs_native
+def test_requantized_logits_copy_has_float16_scales_spanning_each_group():
+    values = np.random.default_rng(6).normal(0, 0.05, (64, 128)).astype(np.float32)
+    raw = torch.from_numpy(gguf.quants.quantize(values, Q.Q8_0))
+    layer = requantized_int4(raw, Q.Q8_0, 128)
+    assert type(layer) is Int4Blocks and layer.scales.dtype == torch.float16
+    exact = torch_quant.dequantize(raw, Q.Q8_0, 128)
+    x = randn(2, 128, seed=7)
+    expected = x @ exact.T
+    assert torch.allclose(layer.matmul(x), expected, rtol=0, atol=0.1 * expected.abs().max().item())
+
+
+# --- int8 rows --------------------------------------------------------------------------------------
+@needs_native
+@pytest.mark.parametrize(("rows", "cols"), [(16, 32), (64, 640), (32, 4128)])  # 4128: past a flush of the int32 sums
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_int8_rows_matmul_matches_float64(rows, cols, dtype):
+    layer = Int8Weight.quantize(randn(rows, cols, seed=8) * 0.05)
+    x = randn(5, cols, seed=9).to(dtype)
+    x[:, 1] *= 200
+    weight = layer.dequantized().double()
+    expected = x.double() @ weight.T
+    got = layer.matmul(x)
+    assert got.dtype == torch.float32
+    bound = (x.double().abs().amax(1, keepdim=True) / 65534) @ weight.abs().sum(1, keepdim=True).T
+    assert ((got.double() - expected).abs() <= bound + 1e-5 * expected.abs().max()).all()
+    assert torch.equal(torch.cat([layer.matmul(x[i : i + 1]) for i in range(5)]), got)
+
+
+def test_int8_rows_take_only_whole_kernel_tiles():
+    assert not torch_native.takes_int8_rows(torch.zeros(8, 64, dtype=torch.int8))
+    assert not torch_native.takes_int8_rows(torch.zeros(16, 48, dtype=torch.int8))
+
+
+# --- rms_norm ---------------------------------------------------------------------------------------
+@needs_native
+@pytest.mark.parametrize("rows", [1, 3, 40])  # 40: split across threads
+@pytest.mark.parametrize("dim", [576, 40, 7])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_rms_norm_matches_torch(rows, dim, dtype):
+    x, w = randn(rows, dim, seed=10).to(dtype), randn(dim, seed=11)
+    got = torch_native.rms_norm(x, w, 1e-6)
+    assert got.dtype == torch.float32 and got.shape == x.shape
+    torch.testing.assert_close(got, F.rms_norm(x.float(), (dim,), w, 1e-6), rtol=2e-6, atol=2e-6)
+    assert torch.equal(torch.cat([torch_native.rms_norm(x[i : i + 1], w, 1e-6) for i in range(rows)]), got)
+
+
+@needs_native
+def test_rms_norm_of_heads_and_of_a_mismatched_weight():
+    x = randn(2, 4, 64, seed=12)[:, 1:]  # a non-contiguous view of heads
+    torch.testing.assert_close(torch_native.rms_norm(x, torch.ones(64), 1e-6), F.rms_norm(x, (64,), torch.ones(64), 1e-6))
+    with pytest.raises(ValueError, match="64 values for rows of 32"):
+        torch_native.rms_norm(randn(2, 32), torch.ones(64), 1e-6)
+
+
+# --- decode attention -------------------------------------------------------------------------------
+def reference_attention(q, keys, values, group, scale) -> torch.Tensor:
+    cells = slice(group.start, group.start + group.used)
+    k, v = keys[:, cells].double()[None], values[:, cells].double()[None]
+    out = F.scaled_dot_product_attention(q.double().transpose(0, 1)[None], k, v, attn_mask=group.mask, scale=scale, enable_gqa=True)
+    return out[0].transpose(0, 1)[0]  # [heads, dim]
+
+
+@needs_native
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim", "lengths"),
+    [(9, 3, 64, [512, 17, 1]), (4, 1, 256, [100, 99]), (8, 8, 32, [16, 15, 33]), (6, 2, 48, [5])],
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_decode_attention_matches_float64_and_is_the_same_alone(heads, kv_heads, dim, lengths, dtype):
+    region = 600
+    keys = randn(kv_heads, region * len(lengths), dim, seed=13).to(dtype)
+    values = randn(kv_heads, region * len(lengths), dim, seed=14).to(dtype)
+    q = randn(len(lengths), heads, dim, seed=15)
+    groups = [types.SimpleNamespace(start=i * region, used=n, mask=None) for i, n in enumerate(lengths)]
+    mask = torch.rand(1, lengths[0], generator=torch.Generator().manual_seed(16)) > 0.3
+    mask[0, -1] = True  # a row always sees its own key
+    groups[0].mask = mask
+    got = torch_native.decode_attention(q, keys, values, groups, 0.125)
+    assert got.shape == (len(lengths), heads, dim) and got.dtype == torch.float32
+    for i, group in enumerate(groups):
+        expected = reference_attention(q[i : i + 1], keys, values, group, 0.125)
+        assert (got[i].double() - expected).abs().max() < 2e-6
+        assert torch.equal(torch_native.decode_attention(q[i : i + 1], keys, values, [group], 0.125)[0], got[i])
+
+
+@needs_native
+def test_decode_attention_is_the_same_on_one_thread():
+    keys, values = randn(1, 300, 256, seed=17).bfloat16(), randn(1, 300, 256, seed=18).bfloat16()
+    q = randn(1, 4, 256, seed=19)  # one kv head: its query heads split across threads
+    groups = [types.SimpleNamespace(start=0, used=300, mask=None)]
+    two = torch_native.decode_attention(q, keys, values, groups, 0.0625)
+    torch.set_num_threads(1)
+    try:
+        assert torch.equal(torch_native.decode_attention(q, keys, values, groups, 0.0625), two)
+    finally:
+        torch.set_num_threads(2)
+
+
+def test_folded_grouped_heads_attend_like_torchs_grouped_query_path():
+    q, keys, values = randn(2, 9, 1, 64, seed=20), randn(2, 3, 40, 64, seed=21), randn(2, 3, 40, 64, seed=22)
+    expected = F.scaled_dot_product_attention(q, keys, values, scale=0.125, enable_gqa=True)
+    torch.testing.assert_close(torch_attention._sdpa(q, keys, values, None, 0.125, True), expected)
+
+
+@needs_native
+def test_backend_runs_norms_natively_and_not_on_cuda_shaped_weights():
+    backend = TorchBackend(device="cpu")
+    assert backend.native("rms_norm")
+    ctx = backend.new_context()
+    x = ctx.record(lambda: randn(2, 64, seed=23))
+    (out,) = ctx.compute(ctx.rms_norm(x, torch.ones(64), 1e-6))
+    torch.testing.assert_close(out, F.rms_norm(randn(2, 64, seed=23), (64,), torch.ones(64), 1e-6))
+    assert ctx.nodes[-1][0] is torch_native.rms_norm
+    ctx.rms_norm(x, torch.ones(64, dtype=torch.float64), 1e-6)  # not a float32 weight: torch's op
+    assert ctx.nodes[-1][0] is not torch_native.rms_norm
