@@ -27,21 +27,20 @@
 static void quantize_row(const void *x, int bf16, int64_t row, int64_t K, int16_t *codes, float *scale, float *sums)
 {
     const int64_t base = row * K;
-    const float s = absmax(x, bf16, base, K) / 32767.0f;
-    *scale = s;
-    for (int64_t b = 0; b < K / 32; b++) {
-        float sum = 0.0f;
-        for (int j = 0; j < 32; j++)
-            sum += load_value(x, bf16, base + 32 * b + j);
-        sums[b] = sum;
-    }
+    float inverse;
+    *scale = int16_scale(x, bf16, base, K, &inverse);
+    const __m512 inv = _mm512_set1_ps(inverse);
     for (int64_t p = 0; p < K / 64; p++) {
-        for (int i = 0; i < 64; i++) {
-            /* position i of pair p: which element of the two blocks it holds */
-            int half = i / 32, lane = i % 32;
-            int64_t k = 64 * p + (lane < 16 ? 0 : 32) + 16 * half + lane % 16;
-            codes[64 * p + i] = code16(load_value(x, bf16, base + k), s);
-        }
+        const int64_t at = base + 64 * p;
+        __m512 a0 = load16_all(x, bf16, at), a1 = load16_all(x, bf16, at + 16);
+        __m512 b0 = load16_all(x, bf16, at + 32), b1 = load16_all(x, bf16, at + 48);
+        sums[2 * p] = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+        sums[2 * p + 1] = _mm512_reduce_add_ps(_mm512_add_ps(b0, b1));
+        int16_t *c = codes + 64 * p;
+        _mm256_storeu_si256((__m256i *)c, codes16(x, bf16, at, inv));
+        _mm256_storeu_si256((__m256i *)(c + 16), codes16(x, bf16, at + 32, inv));
+        _mm256_storeu_si256((__m256i *)(c + 32), codes16(x, bf16, at + 16, inv));
+        _mm256_storeu_si256((__m256i *)(c + 48), codes16(x, bf16, at + 48, inv));
     }
 }
 

@@ -19,10 +19,11 @@
 static void quantize_row(const void *x, int bf16, int64_t row, int64_t K, int16_t *codes, float *scale)
 {
     const int64_t base = row * K;
-    const float s = absmax(x, bf16, base, K) / 32767.0f;
-    *scale = s;
-    for (int64_t k = 0; k < K; k++)
-        codes[k] = code16(load_value(x, bf16, base + k), s);
+    float inverse;
+    *scale = int16_scale(x, bf16, base, K, &inverse);
+    const __m512 inv = _mm512_set1_ps(inverse);
+    for (int64_t k = 0; k < K; k += 16)
+        _mm256_storeu_si256((__m256i *)(codes + k), codes16(x, bf16, base + k, inv));
 }
 
 /* 16 output rows (a group) times up to ROW_TILE activation rows. */

@@ -5,7 +5,6 @@
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
-#include <string.h>
 
 #if !defined(__AVX512F__) || !defined(__AVX512BW__)
 #error "corral's native kernels need AVX-512 (F and BW)"
@@ -37,16 +36,6 @@ INLINE __m512 load16_all(const void *x, int bf16, int64_t i)
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-INLINE float load_value(const void *x, int bf16, int64_t i)
-{
-    if (!bf16)
-        return ((const float *)x)[i];
-    uint32_t bits = (uint32_t)((const uint16_t *)x)[i] << 16;
-    float v;
-    memcpy(&v, &bits, sizeof v);
-    return v;
-}
-
 /* The largest |value| of x[base .. base + n). */
 INLINE float absmax(const void *x, int bf16, int64_t base, int64_t n)
 {
@@ -56,11 +45,18 @@ INLINE float absmax(const void *x, int bf16, int64_t base, int64_t n)
     return _mm512_reduce_max_ps(top);
 }
 
-/* The int16 code of v at scale s (|code| <= 32767), rounding to nearest even. */
-INLINE int16_t code16(float v, float s)
+/* A row's int16 quantization: scale = absmax / 32767 and its reciprocal (0 for an all-zero row). */
+INLINE float int16_scale(const void *x, int bf16, int64_t base, int64_t n, float *inverse)
 {
-    float q = s > 0.0f ? nearbyintf(v / s) : 0.0f;
-    return (int16_t)(q > 32767.0f ? 32767.0f : (q < -32767.0f ? -32767.0f : q));
+    const float top = absmax(x, bf16, base, n);
+    *inverse = top > 0.0f ? 32767.0f / top : 0.0f;
+    return top / 32767.0f;
+}
+
+/* The int16 codes of x[i .. i + 16) times `inverse`, rounded to nearest even (|code| <= 32767). */
+INLINE __m256i codes16(const void *x, int bf16, int64_t i, __m512 inverse)
+{
+    return _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(load16_all(x, bf16, i), inverse)));
 }
 
 /* Lane i: the sum of v[i]'s 16 lanes, in a fixed order of additions. */
