@@ -19,7 +19,7 @@ from test_torch_quant import INT4, cols_of, random_raw, reference
 from corral.plugins.backends import torch_attention, torch_native, torch_quant
 from corral.plugins.backends.torch import TorchBackend
 from corral.plugins.backends.torch_fusion import stack_weights
-from corral.plugins.backends.torch_weights import Int4Blocks, Int4Weight, Int8Weight, MappedRows, requantized_int4
+from corral.plugins.backends.torch_weights import Int4Blocks, Int4Weight, Int8Weight, requantized_int4
 
 Q = gguf.GGMLQuantizationType
 
@@ -141,14 +141,15 @@ def test_int4_blocks_of_gguf_bytes_hold_the_files_weights(qtype):
 
 
 @needs_native
-def test_int4_blocks_long_runs_use_the_files_exact_weights_in_float32():
+def test_int4_blocks_prompt_runs_take_the_kernel_row_by_row():
     raw = torch.from_numpy(random_raw(Q.Q4_1, rows=32, blocks_per_row=2))
-    layer = Int4Blocks.from_codes(*torch_quant.int4_blocks(raw, Q.Q4_1, 64), MappedRows(raw, Q.Q4_1, 64))
-    x = randn(40, 64, seed=4)
-    got = layer.matmul(x, [(0, 1), (1, 40)])
-    assert got.dtype == torch.float32
-    assert torch.equal(got[1:], F.linear(x[1:], reference(Q.Q4_1, raw.numpy())))
-    assert torch.equal(got[:1], layer.matmul(x[:1]))  # the single row: the kernel, as alone
+    layer = Int4Blocks.from_codes(*torch_quant.int4_blocks(raw, Q.Q4_1, 64))
+    x = randn(70, 64, seed=4)
+    got = layer.matmul(x, [(0, 1), (1, 40), (40, 70)])
+    assert torch.equal(got[1:40], layer.matmul(x[1:40], [(0, 39)]))  # a prompt chunk alone
+    assert torch.equal(got[:1], layer.matmul(x[:1]))
+    expected = x.double() @ reference(Q.Q4_1, raw.numpy()).double().T
+    assert torch.allclose(got.double(), expected, rtol=0, atol=2e-4 * expected.abs().max().item())
 
 
 @needs_native

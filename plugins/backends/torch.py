@@ -126,7 +126,7 @@ class TorchBackend:
     def _pack_int4(self, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, source: MappedRows | None) -> Int4Blocks | Int4Weight:
         out_features, in_features = codes.shape
         if self.device.type == "cpu" and Int4Blocks.takes(out_features, in_features):
-            return Int4Blocks.from_codes(codes, scales, mins, source)
+            return Int4Blocks.from_codes(codes, scales, mins)
         zeros = mins + 8 * scales
         if self.device.type == "cuda":
             packed, sz = torch_quant.pack_int4_for_cuda(codes.to(self.device), scales.to(self.device), zeros.to(self.device))

@@ -41,9 +41,8 @@ def stack_weights(weights: list[Any]) -> Any | None:
     if kinds == {Int4Blocks}:
         if len({w.scales.dtype for w in weights}) != 1:
             return None
-        sources = [w.source for w in weights]
         parts = [w.codes for w in weights], [w.scales for w in weights], [w.mins for w in weights]
-        stacked = Int4Blocks(*(torch.cat(p) for p in parts), StackedRows(tuple(sources)) if all(sources) else None)
+        stacked = Int4Blocks(*(torch.cat(p) for p in parts))
         for part, whole in zip(parts, (stacked.codes, stacked.scales, stacked.mins)):
             _share_rows(part, whole)
         return stacked
