@@ -112,6 +112,8 @@ _i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 SIGNATURES = {
     "int4_blocks_matmul": ("int4_blocks", (_ptr, _int, _i64, _i64, _ptr, _ptr, _ptr, _int, _i64, _ptr, _int)),
     "int8_rows_matmul": ("int8_rows", (_ptr, _int, _i64, _i64, _ptr, _ptr, _i64, _ptr, _int)),
+    "int8_two_levels": ("int8_rows", (_ptr, _int, _i64, _i64, _ptr, _ptr, _int)),
+    "int8_two_level_out": ("int8_rows", (_ptr, _ptr, _ptr, _i64, _i64, _ptr, _int)),
     "rms_norm": ("rms_norm", (_ptr, _int, _i64, _i64, _ptr, ctypes.c_float, _ptr, _int)),
     "decode_attention": (
         "decode_attention",
@@ -177,6 +179,23 @@ def int8_rows_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor)
             x.data_ptr(), x.dtype is torch.bfloat16, rows, cols, codes.data_ptr(), scales.data_ptr(), codes.shape[0],
             out.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
+    return out
+
+
+def int8_prompt_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Prompt rows x [rows, in] times (codes int8 [out, in] * scales bf16 [out])^T -> float32, as one
+    torch._int_mm over both levels of each row (native/int8_rows.c quantizes and scales)."""
+    x = _floats(x)
+    rows, cols = x.shape
+    out = torch.empty((rows, codes.shape[0]), dtype=torch.float32)
+    if not rows:
+        return out
+    threads = torch.get_num_threads()
+    levels = torch.empty((2 * rows, cols), dtype=torch.int8)
+    row_scales = torch.empty((2, rows), dtype=torch.float32)
+    function("int8_two_levels")(x.data_ptr(), x.dtype is torch.bfloat16, rows, cols, levels.data_ptr(), row_scales.data_ptr(), threads)
+    products = torch._int_mm(levels, codes.t())  # exact; K * 127 * 127 fits int32 for K < 133000
+    function("int8_two_level_out")(products.data_ptr(), row_scales.data_ptr(), scales.data_ptr(), rows, codes.shape[0], out.data_ptr(), threads)
     return out
 
 

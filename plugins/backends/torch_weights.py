@@ -185,6 +185,8 @@ def _long_runs(x: torch.Tensor, runs: Runs, kernel: Any, long_kernel: Any, dtype
         return kernel(x)
     results = long_kernel([x[start:stop] for start, stop in long])
     # The kernel's dtype out: the dtype flowing on must not depend on what shares the batch.
+    if len(long) == 1 and long[0] == (0, x.shape[0]):  # one prompt chunk: its result as it is
+        return results[0].to(dtype)
     out = x.new_empty((x.shape[0], results[0].shape[1]), dtype=dtype)
     for (start, stop), result in zip(long, results):
         out[start:stop] = result
@@ -316,9 +318,10 @@ class Int8Weight:
     def _int8_rows(self, runs: list[torch.Tensor]) -> list[torch.Tensor]:
         # Prompt chunks: int8 x int8 products, ~2.5x faster than dequantizing for float32 BLAS.
         # Exact integer products of rows quantized alone: all runs in one call, the same bits.
+        matmul = torch_native.int8_prompt_matmul if torch_native.takes_int8_rows(self.codes) else int8_matmul
         if len(runs) == 1:
-            return [int8_matmul(runs[0], self.codes, self.scales)]
-        return list(int8_matmul(torch.cat(runs), self.codes, self.scales).split([len(rows) for rows in runs]))
+            return [matmul(runs[0], self.codes, self.scales)]
+        return list(matmul(torch.cat(runs), self.codes, self.scales).split([len(rows) for rows in runs]))
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         # Row-exact: every row is computed alone, whatever the batch.

@@ -77,3 +77,53 @@ void int8_rows_matmul(const void *x, int x_bf16, int64_t M, int64_t K, const int
     free(xq);
     free(xs);
 }
+
+/* Prompt rows for torch._int_mm (int8 x int8, exact): each row in two levels, x ~ s1 q1 + s2 q2,
+ * the second rounding what the first left (error ~1/32000 of the row's largest value). codes:
+ * int8 [2M][K] (all first levels, then all second levels); scales: float [2][M]. */
+void int8_two_levels(const void *x, int x_bf16, int64_t M, int64_t K, int8_t *codes, float *scales, int threads)
+{
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t m = 0; m < M; m++) {
+        const int64_t base = m * K;
+        const float top = absmax(x, x_bf16, base, K);
+        const float s1 = top / 127.0f, inv1 = top > 0.0f ? 127.0f / top : 0.0f;
+        __m512 rest_top = _mm512_setzero_ps();
+        for (int64_t k = 0; k < K; k += 16) { /* the first level's leftovers, for the second's scale */
+            __mmask16 lanes = lanes_left(K - k);
+            __m512 v = load16(x, x_bf16, base + k, lanes);
+            __m512 q = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(inv1)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            rest_top = _mm512_max_ps(rest_top, _mm512_abs_ps(_mm512_fnmadd_ps(q, _mm512_set1_ps(s1), v)));
+        }
+        const float top2 = _mm512_reduce_max_ps(rest_top);
+        const float s2 = top2 / 127.0f, inv2 = top2 > 0.0f ? 127.0f / top2 : 0.0f;
+        for (int64_t k = 0; k < K; k += 16) {
+            __mmask16 lanes = lanes_left(K - k);
+            __m512 v = load16(x, x_bf16, base + k, lanes);
+            __m512 q = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(inv1)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            __m512 r = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_fnmadd_ps(q, _mm512_set1_ps(s1), v), _mm512_set1_ps(inv2)),
+                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            _mm_mask_storeu_epi8(codes + base + k, lanes, _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(q)));
+            _mm_mask_storeu_epi8(codes + M * K + base + k, lanes, _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(r)));
+        }
+        scales[m] = s1;
+        scales[M + m] = s2;
+    }
+}
+
+/* y[M][N] = (s1 * first[m] + s2 * second[m]) * weight scale, from _int_mm's int32 [2M][N]. */
+void int8_two_level_out(const int32_t *products, const float *scales, const uint16_t *weight_scales, int64_t M, int64_t N,
+                        float *y, int threads)
+{
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t m = 0; m < M; m++) {
+        const __m512 s1 = _mm512_set1_ps(scales[m]), s2 = _mm512_set1_ps(scales[M + m]);
+        for (int64_t n = 0; n < N; n += 16) {
+            __mmask16 lanes = lanes_left(N - n);
+            __m512 a = _mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(lanes, products + m * N + n));
+            __m512 b = _mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(lanes, products + (M + m) * N + n));
+            __m512 w = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, weight_scales + n)), 16));
+            _mm512_mask_storeu_ps(y + m * N + n, lanes, _mm512_mul_ps(_mm512_fmadd_ps(b, s2, _mm512_mul_ps(a, s1)), w));
+        }
+    }
+}
