@@ -280,3 +280,18 @@ def test_backend_runs_norms_natively_and_not_on_cuda_shaped_weights():
     assert ctx.nodes[-1][0] is torch_native.rms_norm
     ctx.rms_norm(x, torch.ones(64, dtype=torch.float64), 1e-6)  # not a float32 weight: torch's op
     assert ctx.nodes[-1][0] is not torch_native.rms_norm
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_decode_attention_stores_the_new_rows_as_torch_would_first(dtype):
+    keys, values = randn(3, 64, 32, seed=24).to(dtype), randn(3, 64, 32, seed=25).to(dtype)
+    k, v, q = randn(2, 3, 32, seed=26) * 7, randn(2, 3, 32, seed=27), randn(2, 6, 32, seed=28)
+    groups = [types.SimpleNamespace(start=0, used=20, mask=None), types.SimpleNamespace(start=32, used=9, mask=None)]
+    expected_keys, expected_values = keys.clone(), values.clone()
+    torch_attention._write_cells(expected_keys, torch.tensor([19, 40]), k)
+    torch_attention._write_cells(expected_values, torch.tensor([19, 40]), v)
+    expected = torch_native.decode_attention(q, expected_keys, expected_values, groups, 0.2)
+    got = torch_native.decode_attention(q, keys, values, groups, 0.2, (k, v, [19, 40]))
+    assert torch.equal(keys, expected_keys) and torch.equal(values, expected_values)  # bf16 rounded to nearest even
+    assert torch.equal(got, expected)

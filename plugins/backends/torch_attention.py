@@ -25,12 +25,18 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Any, lay
     over its sequence's cells: [n, heads * dim] in the cache's dtype."""
     keys, values = cache.keys(layer), cache.values(layer)  # [kv_heads, cells, dim]
     cells = cache.layer_slots(layer)
-    _write_cells(keys, cells, k)
-    _write_cells(values, cells, v)
     groups = cache.layer_groups(layer)
     gqa = q.shape[1] != k.shape[1]
     if torch_native.takes_decode_attention(q, keys, values):
+        if all(_row_count(group.rows) == 1 for group in groups) and _in_row_order(groups, q.shape[0]):
+            # Decode rows only: the kernel stores their keys and values itself (one call, not three).
+            new = (k, v, _cell_list(cells, q.shape[0]))
+            return torch_native.decode_attention(q, keys, values, groups, scale, new).reshape(q.shape[0], -1)
+        _write_cells(keys, cells, k)
+        _write_cells(values, cells, v)
         return _native_attention(q, keys, values, groups, scale, gqa)
+    _write_cells(keys, cells, k)
+    _write_cells(values, cells, v)
     # Decode rows of sequences in step share a call; every other sequence gets its own.
     if len(groups) == 1:  # one sequence (batch-1 decode, a lone prompt): no bookkeeping
         (group,) = groups
@@ -61,8 +67,6 @@ def _native_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     on its own: [n, heads * dim] float32 whatever the mix, so a row's bits never depend on it."""
     rows = q.shape[0]
     decode = [group for group in groups if _row_count(group.rows) == 1]
-    if len(decode) == len(groups) and _in_row_order(groups, rows):
-        return torch_native.decode_attention(q, keys, values, decode, scale).reshape(rows, -1)
     out = q.new_empty((rows, q.shape[1], values.shape[-1]), dtype=torch.float32)
     if decode:
         index = [_first_row(group.rows) for group in decode]
@@ -72,6 +76,13 @@ def _native_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
             queries = q[group.rows].to(_compute_dtype(_row_count(group.rows), keys.dtype)).transpose(0, 1).unsqueeze(0)
             out[group.rows] = _sequence_attention(queries, keys.unsqueeze(0), values.unsqueeze(0), group, scale, gqa, torch.float32)
     return out.reshape(rows, -1)
+
+
+def _cell_list(cells: Any, rows: int) -> list[int]:
+    """Cache cells (a slice or an index tensor) as a list of one cell per row."""
+    if isinstance(cells, slice):
+        return list(range(cells.start, cells.start + rows))
+    return cells.tolist()
 
 
 def _first_row(rows: Any) -> int:

@@ -117,7 +117,7 @@ SIGNATURES = {
     "rms_norm": ("rms_norm", (_ptr, _int, _i64, _i64, _ptr, ctypes.c_float, _ptr, _int)),
     "decode_attention": (
         "decode_attention",
-        (_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _int, _i64, _ptr, _ptr, _ptr, ctypes.c_float, _ptr, _int),
+        (_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _int, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, ctypes.c_float, _ptr, _int),
     ),
 }
 RESTYPES = {"decode_attention": ctypes.c_int}
@@ -212,34 +212,46 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return out
 
 
+_TAKES_ATTENTION: dict[tuple, bool] = {}
+
+
 def takes_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
     """Whether the native attention kernel takes these shapes and dtypes (fixed for a model)."""
-    heads, kv_heads = q.shape[1], keys.shape[0]
-    return (
-        keys.device.type == "cpu" and keys.dtype == values.dtype and keys.dtype in (torch.bfloat16, torch.float32)
-        and q.shape[-1] % 16 == 0 and values.shape[-1] % 16 == 0 and heads % kv_heads == 0
-        and heads // kv_heads <= MAX_HEAD_GROUP and keys.is_contiguous() and values.is_contiguous()
-        and has("decode_attention")
-    )  # fmt: skip
+    key = (q.shape[1:], keys.shape, keys.dtype, keys.device.type, values.shape, values.dtype)
+    if key not in _TAKES_ATTENTION:
+        heads, kv_heads = q.shape[1], keys.shape[0]
+        _TAKES_ATTENTION[key] = (
+            keys.device.type == "cpu" and keys.dtype == values.dtype and keys.dtype in (torch.bfloat16, torch.float32)
+            and q.shape[-1] % 16 == 0 and values.shape[-1] % 16 == 0 and heads % kv_heads == 0
+            and heads // kv_heads <= MAX_HEAD_GROUP and keys.is_contiguous() and values.is_contiguous()
+            and has("decode_attention")
+        )  # fmt: skip
+    return _TAKES_ATTENTION[key]
 
 
-def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, groups: list[Any], scale: float) -> torch.Tensor:
+def decode_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, groups: list[Any], scale: float, new: tuple | None = None
+) -> torch.Tensor:
     """One query row per group (its sequence's cache region: start, used, mask) -> float32
     [rows, heads, value_dim]. q [rows, heads, key_dim]; keys, values [kv_heads, cells, dim]
-    (native/decode_attention.c)."""
+    (native/decode_attention.c). `new`: (k, v [rows, kv_heads, dim], cells [rows]) to store first,
+    each row's key and value in its cell."""
     q = q.float().contiguous()
     rows, heads, key_dim = q.shape
     kv_heads, cells, value_dim = values.shape
-    regions = np.array(
-        [[g.start for g in groups], [g.used for g in groups], [0 if g.mask is None else g.mask.data_ptr() for g in groups]],
-        dtype=np.int64,
-    )
+    fields = [[g.start for g in groups], [g.used for g in groups], [0 if g.mask is None else g.mask.data_ptr() for g in groups]]
+    if new is not None:
+        k, v, dest = new
+        k, v = k.float().contiguous(), v.float().contiguous()
+        fields.append(dest)
+    regions = np.array(fields, dtype=np.int64)
     out = torch.empty((rows, heads, value_dim), dtype=torch.float32)
     address, step = regions.ctypes.data, rows * 8
     failed = function("decode_attention")(
         q.data_ptr(), rows, heads, kv_heads, key_dim, value_dim, keys.data_ptr(), values.data_ptr(),
-        keys.dtype is torch.bfloat16, cells, address, address + step, address + 2 * step, scale, out.data_ptr(),
-        torch.get_num_threads(),
+        keys.dtype is torch.bfloat16, cells, address, address + step, address + 2 * step,
+        None if new is None else k.data_ptr(), None if new is None else v.data_ptr(),
+        None if new is None else address + 3 * step, scale, out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     if failed:
         raise MemoryError("native decode attention could not allocate its scores")

@@ -134,13 +134,41 @@ static void task_any(const float *qs, int group, int64_t key_dim, int64_t value_
     }
 }
 
-/* Returns 0, or -1 when a group of heads is larger than MAX_GROUP or memory runs out. Fewer
- * (sequence, kv head) pairs than threads are split by query heads, so that every thread has
- * work: each head's arithmetic is the same either way. */
-int decode_attention(const float *q, int64_t S, int64_t heads, int64_t kv_heads, int64_t key_dim, int64_t value_dim,
-                     const void *keys, const void *values, int bf16, int64_t cells, const int64_t *starts,
-                     const int64_t *used, const int64_t *masks, float scale, float *out, int threads)
+/* row [heads][dim] float -> cells `cell` of buffer [heads][cells][dim], bf16 rounded to nearest even
+ * (as torch converts) or float */
+static void store_row(const float *row, int64_t heads, int64_t dim, void *buffer, int bf16, int64_t cells, int64_t cell)
 {
+    for (int64_t h = 0; h < heads; h++) {
+        const float *src = row + h * dim;
+        const int64_t at = (h * cells + cell) * dim;
+        for (int64_t i = 0; i < dim; i += 16) {
+            __m512 v = _mm512_loadu_ps(src + i);
+            if (!bf16) {
+                _mm512_storeu_ps((float *)buffer + at + i, v);
+                continue;
+            }
+            __m512i bits = _mm512_castps_si512(v);
+            __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+            __m512i up = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+            up = _mm512_mask_mov_epi32(up, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+            _mm256_storeu_si256((__m256i *)((uint16_t *)buffer + at + i), _mm512_cvtepi32_epi16(up));
+        }
+    }
+}
+
+/* Returns 0, or -1 when a group of heads is larger than MAX_GROUP or memory runs out. When `dest`
+ * is given, each sequence's new key and value rows (float [S][kv_heads][dim]) are first stored in
+ * its cell dest[s]. Fewer (sequence, kv head) pairs than threads are split by query heads, so
+ * that every thread has work: each head's arithmetic is the same either way. */
+int decode_attention(const float *q, int64_t S, int64_t heads, int64_t kv_heads, int64_t key_dim, int64_t value_dim,
+                     void *keys, void *values, int bf16, int64_t cells, const int64_t *starts, const int64_t *used,
+                     const int64_t *masks, const float *new_keys, const float *new_values, const int64_t *dest, float scale,
+                     float *out, int threads)
+{
+    for (int64_t s = 0; dest && s < S; s++) {
+        store_row(new_keys + s * kv_heads * key_dim, kv_heads, key_dim, keys, bf16, cells, dest[s]);
+        store_row(new_values + s * kv_heads * value_dim, kv_heads, value_dim, values, bf16, cells, dest[s]);
+    }
     const int group = (int)(heads / kv_heads);
     if (group > MAX_GROUP)
         return -1;
