@@ -1,14 +1,18 @@
 """The PyTorch backend: CPU and CUDA.
 
-Weights (precision "auto", CPU; layouts in torch_weights.py): Q4_0/Q4_1/Q4_K linears stay 4-bit in
-torch's packed int4 layout; other quantized linears become int8 per row; float files stay float32;
-the logits come from a 4-bit copy with each row's best candidates recomputed exactly from the file;
-embeddings are read from the file's memory map. On CUDA, non-int4 linears are bf16. Precision
-"fp32" loads everything as float32: the reference mode. The residual stream, norms and rope run in
-float32. Measurements: BENCHMARKS.md.
+Weights (precision "auto", CPU; layouts in torch_weights.py): Q4_0/Q4_1/Q4_K linears stay 4-bit
+(the native kernel's blocks, else torch's packed int4 layout); other quantized linears become int8
+per row; float files stay float32; the logits come from a 4-bit copy with each row's best
+candidates recomputed exactly from the file; embeddings are read from the file's memory map. On
+CUDA, non-int4 linears are bf16. Precision "fp32" loads everything as float32: the reference mode.
+The residual stream, norms and rope run in float32. Measurements: BENCHMARKS.md.
 
-Batch invariance: a sequence's output must not depend on what it is batched with. The int kernels
-compute every row alone, and attention reads each sequence's own cache region
+Kernels: torch's, plus native C kernels built for this CPU on first use (torch_native.py) where
+torch has none that fits: the 4-bit and int8 matmuls with exact integer products, rms_norm, and
+attention of decode rows. Without a C compiler or AVX-512 the backend runs on torch's alone.
+
+Batch invariance: a sequence's output must not depend on what it is batched with. The int and
+native kernels compute every row alone, and attention reads each sequence's own cache region
 (torch_attention.py); BLAS does not (it picks its algorithm by the row count), so a float linear
 runs each sequence's prompt chunk as its own call and single rows in chunks of 2..8, and long
 prompt runs of the int layouts take their prompt paths (torch_weights.py) chosen by the run's own

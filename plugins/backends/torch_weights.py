@@ -1,14 +1,18 @@
 """How the torch backend holds a weight, and the one matmul each layout runs.
 
 Every layout's `matmul(x, runs)` takes activations [rows, in] and the batch's per-sequence row
-runs, and returns [rows, out] (float32, or bf16 straight from the int kernels: the next op promotes
-it or, being another int kernel, takes it as is) whose every row has the same bits whatever else is
-in the batch (batch invariance, see torch.py):
+runs, and returns [rows, out] (float32; bf16 straight from torch's int kernels: the next op
+promotes it or, being another int kernel, takes it as is) whose every row has the same bits
+whatever else is in the batch (batch invariance, see torch.py):
 
-* `Int4Weight`  Q4_0/Q4_1/Q4_K linears, 4-bit through torch's packed int4 kernel (bf16 activations).
+* `Int4Blocks`  Q4_0/Q4_1/Q4_K linears, 4-bit through the native kernel (int16 activations, exact
+                integer products; torch_native.py), every row alone, prompt or decode.
+* `Int4Weight`  the same through torch's packed int4 kernel (bf16 activations) where there is no
+                native kernel, or on CUDA.
 * `Int8Weight`  other quantized linears (Q5_x, Q6_K, Q8_0, ...): one int8 per weight and one scale
-                per output row, through `_weight_int8pack_mm` (a quarter of float32's bytes, which is
-                what decode reads per token). Long prompt runs multiply int8 by int8 (`_int_mm`).
+                per output row (a quarter of float32's bytes, which is what decode reads per token),
+                through the native int8 kernel or `_weight_int8pack_mm`. Long prompt runs multiply
+                int8 by int8 (`_int_mm`).
 * `DenseWeight` float weights (F32/F16/BF16 files, the reference precision, CUDA).
 * `MappedRows`  embeddings: rows dequantized exactly from the file's memory map when looked up, so
                 a 262k-row table costs no resident memory.
