@@ -242,12 +242,13 @@ def test_decode_attention_matches_float64_and_is_the_same_alone(heads, kv_heads,
     mask = torch.rand(1, lengths[0], generator=torch.Generator().manual_seed(16)) > 0.3
     mask[0, -1] = True  # a row always sees its own key
     groups[0].mask = mask
-    got = torch_native.decode_attention(q, keys, values, groups, 0.125)
+    got = torch_native.decode_attention(q, keys, values, torch_native.attention_regions(groups), 0.125)
     assert got.shape == (len(lengths), heads, dim) and got.dtype == torch.float32
     for i, group in enumerate(groups):
         expected = reference_attention(q[i : i + 1], keys, values, group, 0.125)
         assert (got[i].double() - expected).abs().max() < 2e-6
-        assert torch.equal(torch_native.decode_attention(q[i : i + 1], keys, values, [group], 0.125)[0], got[i])
+        alone = torch_native.decode_attention(q[i : i + 1], keys, values, torch_native.attention_regions([group]), 0.125)
+        assert torch.equal(alone[0], got[i])
 
 
 @needs_native
@@ -255,10 +256,11 @@ def test_decode_attention_is_the_same_on_one_thread():
     keys, values = randn(1, 300, 256, seed=17).bfloat16(), randn(1, 300, 256, seed=18).bfloat16()
     q = randn(1, 4, 256, seed=19)  # one kv head: its query heads split across threads
     groups = [types.SimpleNamespace(start=0, used=300, mask=None)]
-    two = torch_native.decode_attention(q, keys, values, groups, 0.0625)
+    regions = torch_native.attention_regions(groups)
+    two = torch_native.decode_attention(q, keys, values, regions, 0.0625)
     torch.set_num_threads(1)
     try:
-        assert torch.equal(torch_native.decode_attention(q, keys, values, groups, 0.0625), two)
+        assert torch.equal(torch_native.decode_attention(q, keys, values, regions, 0.0625), two)
     finally:
         torch.set_num_threads(2)
 
@@ -291,7 +293,10 @@ def test_decode_attention_stores_the_new_rows_as_torch_would_first(dtype):
     expected_keys, expected_values = keys.clone(), values.clone()
     torch_attention._write_cells(expected_keys, torch.tensor([19, 40]), k)
     torch_attention._write_cells(expected_values, torch.tensor([19, 40]), v)
-    expected = torch_native.decode_attention(q, expected_keys, expected_values, groups, 0.2)
-    got = torch_native.decode_attention(q, keys, values, groups, 0.2, (k, v, [19, 40]))
+    expected = torch_native.decode_attention(q, expected_keys, expected_values, torch_native.attention_regions(groups), 0.2)
+    fused = randn(2, 3 * 32 * 3, seed=29)  # k and v as column slices of one fused output, as the model has them
+    fused[:, 96:192], fused[:, 192:] = k.reshape(2, 96), v.reshape(2, 96)
+    k_view, v_view = fused[:, 96:192].view(2, 3, 32), fused[:, 192:].view(2, 3, 32)
+    got = torch_native.decode_attention(q, keys, values, torch_native.attention_regions(groups, [19, 40]), 0.2, (k_view, v_view))
     assert torch.equal(keys, expected_keys) and torch.equal(values, expected_values)  # bf16 rounded to nearest even
     assert torch.equal(got, expected)

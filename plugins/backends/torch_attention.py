@@ -28,10 +28,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Any, lay
     groups = cache.layer_groups(layer)
     gqa = q.shape[1] != k.shape[1]
     if torch_native.takes_decode_attention(q, keys, values):
-        if all(_row_count(group.rows) == 1 for group in groups) and _in_row_order(groups, q.shape[0]):
+        regions = _decode_regions(groups, cells, q.shape[0])
+        if regions is not None:
             # Decode rows only: the kernel stores their keys and values itself (one call, not three).
-            new = (k, v, _cell_list(cells, q.shape[0]))
-            return torch_native.decode_attention(q, keys, values, groups, scale, new).reshape(q.shape[0], -1)
+            return torch_native.decode_attention(q, keys, values, regions, scale, (k, v)).reshape(q.shape[0], -1)
         _write_cells(keys, cells, k)
         _write_cells(values, cells, v)
         return _native_attention(q, keys, values, groups, scale, gqa)
@@ -70,7 +70,7 @@ def _native_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     out = q.new_empty((rows, q.shape[1], values.shape[-1]), dtype=torch.float32)
     if decode:
         index = [_first_row(group.rows) for group in decode]
-        out[index] = torch_native.decode_attention(q[index], keys, values, decode, scale)
+        out[index] = torch_native.decode_attention(q[index], keys, values, torch_native.attention_regions(decode), scale)
     for group in groups:
         if _row_count(group.rows) > 1:
             queries = q[group.rows].to(_compute_dtype(_row_count(group.rows), keys.dtype)).transpose(0, 1).unsqueeze(0)
@@ -78,11 +78,21 @@ def _native_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     return out.reshape(rows, -1)
 
 
-def _cell_list(cells: Any, rows: int) -> list[int]:
-    """Cache cells (a slice or an index tensor) as a list of one cell per row."""
-    if isinstance(cells, slice):
-        return list(range(cells.start, cells.start + rows))
-    return cells.tolist()
+# The last batch's decode regions: every layer of a pool shares its groups and cells, so the array
+# is built once per step, not once per layer (the references kept make the identity test sound).
+_last_regions: list[Any] = [None, None, None]
+
+
+def _decode_regions(groups: list[Any], cells: Any, rows: int) -> Any:
+    """The native kernel's regions when every row is one sequence's decode row, in order; else None."""
+    if _last_regions[0] is groups and _last_regions[1] is cells:
+        return _last_regions[2]
+    regions = None
+    if all(_row_count(group.rows) == 1 for group in groups) and _in_row_order(groups, rows):
+        dest = list(range(cells.start, cells.start + rows)) if isinstance(cells, slice) else cells.tolist()
+        regions = torch_native.attention_regions(groups, dest)
+    _last_regions[:] = [groups, cells, regions]
+    return regions
 
 
 def _first_row(rows: Any) -> int:

@@ -117,7 +117,8 @@ SIGNATURES = {
     "rms_norm": ("rms_norm", (_ptr, _int, _i64, _i64, _ptr, ctypes.c_float, _ptr, _int)),
     "decode_attention": (
         "decode_attention",
-        (_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _int, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, ctypes.c_float, _ptr, _int),
+        (_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _int, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _ptr,
+         ctypes.c_float, _ptr, _int),
     ),
 }
 RESTYPES = {"decode_attention": ctypes.c_int}
@@ -229,29 +230,41 @@ def takes_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
     return _TAKES_ATTENTION[key]
 
 
+def attention_regions(groups: list[Any], dest: list[int] | None = None) -> np.ndarray:
+    """int64 [4, rows]: each decode row's region start, cells used, mask address (0: none) and the
+    cell its new key and value go to (unused without `dest`): what `decode_attention` reads."""
+    masks = [0 if g.mask is None else g.mask.data_ptr() for g in groups]
+    return np.array([[g.start for g in groups], [g.used for g in groups], masks, dest or masks], dtype=np.int64)
+
+
+def _rows_of_heads(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """x [rows, heads, dim] as float32 with contiguous heads, and its row stride."""
+    x = x.float()
+    if x.stride(2) != 1 or x.stride(1) != x.shape[2]:
+        x = x.contiguous()
+    return x, x.stride(0)
+
+
 def decode_attention(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, groups: list[Any], scale: float, new: tuple | None = None
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, regions: np.ndarray, scale: float, new: tuple | None = None
 ) -> torch.Tensor:
-    """One query row per group (its sequence's cache region: start, used, mask) -> float32
-    [rows, heads, value_dim]. q [rows, heads, key_dim]; keys, values [kv_heads, cells, dim]
-    (native/decode_attention.c). `new`: (k, v [rows, kv_heads, dim], cells [rows]) to store first,
-    each row's key and value in its cell."""
+    """One query row per sequence region (`attention_regions`) -> float32 [rows, heads, value_dim].
+    q [rows, heads, key_dim]; keys, values [kv_heads, cells, dim] (native/decode_attention.c).
+    `new`: the rows' keys and values [rows, kv_heads, dim], stored first in their cells."""
     q = q.float().contiguous()
     rows, heads, key_dim = q.shape
     kv_heads, cells, value_dim = values.shape
-    fields = [[g.start for g in groups], [g.used for g in groups], [0 if g.mask is None else g.mask.data_ptr() for g in groups]]
-    if new is not None:
-        k, v, dest = new
-        k, v = k.float().contiguous(), v.float().contiguous()
-        fields.append(dest)
-    regions = np.array(fields, dtype=np.int64)
     out = torch.empty((rows, heads, value_dim), dtype=torch.float32)
     address, step = regions.ctypes.data, rows * 8
+    k = v = None
+    key_stride = value_stride = 0
+    if new is not None:
+        (k, key_stride), (v, value_stride) = _rows_of_heads(new[0]), _rows_of_heads(new[1])
     failed = function("decode_attention")(
         q.data_ptr(), rows, heads, kv_heads, key_dim, value_dim, keys.data_ptr(), values.data_ptr(),
         keys.dtype is torch.bfloat16, cells, address, address + step, address + 2 * step,
-        None if new is None else k.data_ptr(), None if new is None else v.data_ptr(),
-        None if new is None else address + 3 * step, scale, out.data_ptr(), torch.get_num_threads(),
+        None if k is None else k.data_ptr(), None if v is None else v.data_ptr(), key_stride, value_stride,
+        None if k is None else address + 3 * step, scale, out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     if failed:
         raise MemoryError("native decode attention could not allocate its scores")

@@ -157,17 +157,17 @@ static void store_row(const float *row, int64_t heads, int64_t dim, void *buffer
 }
 
 /* Returns 0, or -1 when a group of heads is larger than MAX_GROUP or memory runs out. When `dest`
- * is given, each sequence's new key and value rows (float [S][kv_heads][dim]) are first stored in
- * its cell dest[s]. Fewer (sequence, kv head) pairs than threads are split by query heads, so
+ * is given, each sequence's new key and value rows (float [kv_heads][dim], rows key_stride and
+ * value_stride floats apart) are first stored in its cell dest[s]. Fewer (sequence, kv head) pairs than threads are split by query heads, so
  * that every thread has work: each head's arithmetic is the same either way. */
 int decode_attention(const float *q, int64_t S, int64_t heads, int64_t kv_heads, int64_t key_dim, int64_t value_dim,
                      void *keys, void *values, int bf16, int64_t cells, const int64_t *starts, const int64_t *used,
-                     const int64_t *masks, const float *new_keys, const float *new_values, const int64_t *dest, float scale,
-                     float *out, int threads)
+                     const int64_t *masks, const float *new_keys, const float *new_values, int64_t key_stride,
+                     int64_t value_stride, const int64_t *dest, float scale, float *out, int threads)
 {
     for (int64_t s = 0; dest && s < S; s++) {
-        store_row(new_keys + s * kv_heads * key_dim, kv_heads, key_dim, keys, bf16, cells, dest[s]);
-        store_row(new_values + s * kv_heads * value_dim, kv_heads, value_dim, values, bf16, cells, dest[s]);
+        store_row(new_keys + s * key_stride, kv_heads, key_dim, keys, bf16, cells, dest[s]);
+        store_row(new_values + s * value_stride, kv_heads, value_dim, values, bf16, cells, dest[s]);
     }
     const int group = (int)(heads / kv_heads);
     if (group > MAX_GROUP)
