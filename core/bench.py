@@ -90,7 +90,8 @@ def run_concurrency_bench(name: str, concurrency: int, prompt_tokens: int = 128,
                 # A distinct first token per stream, so no stream reuses another's prefix.
                 text = rt.model.detokenize([base[(i * 7) % len(base)]] + base[1:])
                 start = time.perf_counter()
-                options = {"temperature": 0, "num_predict": gen_tokens}
+                # Every stream generates gen_tokens, as llama.cpp's side of benchmarks/side_by_side.py does.
+                options = {"temperature": 0, "num_predict": gen_tokens, "ignore_eos": True}
                 async with rt.generate(text, options=options, raw=True) as stream:
                     _, final = await stream.collect()
                 latencies.append(time.perf_counter() - start)

@@ -193,7 +193,7 @@ class LoadedModel:
         batch = Batch.single(ids)
         for _ in range(max_tokens):
             token = chain.sample(self.compute(batch, cache)[-1:], [sampler]).tokens[0]
-            if token in self.tokenizer.eog_ids:
+            if token in self.tokenizer.eog_ids and not sampler.options.ignore_eos:
                 break
             sampler.accept(token)
             piece = decoder.feed(token)

@@ -69,6 +69,7 @@ class Options:
     presence_penalty: float = option(0.0, float)
     frequency_penalty: float = option(0.0, float)
     seed: int = option(-1, int)  # negative: random
+    ignore_eos: bool = option(False, bool)  # generate past end-of-generation tokens (llama.cpp's, vLLM's; for benchmarks)
     extra: dict[str, Any] = attrs.field(factory=dict)
 
     def get(self, name: str, default: Any = None) -> Any:

@@ -504,6 +504,17 @@ async def test_chat_answers_the_capital_of_france(smollm2_path):
     assert len(chunks) > 2 and chunks[-1].done_reason == "stop"
 
 
+async def test_ignore_eos_generates_past_the_end_of_the_answer(smollm2_path):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    async with Runtime.open(smollm2_path, num_parallel=1, num_ctx=256) as rt:
+        async with rt.chat(messages, {"temperature": 0, "num_predict": 40}) as stream:
+            _, stopped = await stream.collect()
+        async with rt.chat(messages, {"temperature": 0, "num_predict": 40, "ignore_eos": True}) as stream:
+            _, kept_on = await stream.collect()
+    assert stopped.done_reason == "stop" and stopped.eval_count < 40
+    assert kept_on.done_reason == "length" and kept_on.eval_count == 40
+
+
 # -- errors ----------------------------------------------------------------------------------------
 
 

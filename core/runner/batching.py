@@ -189,7 +189,7 @@ class BatchingActor:
             token = result.tokens[row]
             seq.first_token_ns = seq.first_token_ns or now
             seq.last_token_ns = now
-            if token in eog:
+            if token in eog and not seq.sampler.options.ignore_eos:
                 self._finish(seq, "stop")
                 continue
             seq.sampler.accept(token)

@@ -40,7 +40,7 @@ _OPTIONS = _object(
         "num_predict": _INT | {"description": "-1: until a stop; -2: fill the context"},
         "temperature": _NUM, "top_k": _INT, "top_p": _NUM, "min_p": _NUM, "typical_p": _NUM,
         "repeat_last_n": _INT, "repeat_penalty": _NUM, "presence_penalty": _NUM, "frequency_penalty": _NUM,
-        "seed": _INT, "stop": _array(_STR),
+        "seed": _INT, "stop": _array(_STR), "ignore_eos": _BOOL,
     },
     additionalProperties=True,
     description="Model options; installed sampler plugins may declare more.",
