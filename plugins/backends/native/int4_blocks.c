@@ -19,7 +19,7 @@
 
 #include "simd.h"
 
-#define ROW_TILE 4
+#define ROW_TILE 8
 
 /* One activation row -> int16 codes laid out like the unpacked weights (per 64 elements: the
  * first 16 of each block of 32, then the last 16 of each), the row's scale, and each block's sum
@@ -115,11 +115,22 @@ void int4_blocks_matmul(const void *x, int x_bf16, int64_t M, int64_t K, const u
         const uint8_t *c = codes + 16 * g * (K / 2);
         const char *s = (const char *)scales + 16 * g * (K / 32) * width, *mn = (const char *)mins + 16 * g * (K / 32) * width;
         for (int64_t m = 0; m < M; m += ROW_TILE) {
-            int rows = M - m < ROW_TILE ? (int)(M - m) : ROW_TILE;
-            if (half)
-                group(c, s, mn, 1, K, xq + m * K, xs + m, xsums + m * (K / 32), rows, y + m * N + 16 * g, N);
-            else
-                group(c, s, mn, 0, K, xq + m * K, xs + m, xsums + m * (K / 32), rows, y + m * N + 16 * g, N);
+            const int rows = M - m < ROW_TILE ? (int)(M - m) : ROW_TILE;
+            const int16_t *q = xq + m * K;
+            const float *qs = xs + m, *qsums = xsums + m * (K / 32);
+            float *out = y + m * N + 16 * g;
+            /* one copy of the loop per constant row count and scale width: accumulators stay in registers */
+#define GROUP(R)                                                                                                      \
+    case R:                                                                                                           \
+        if (half)                                                                                                     \
+            group(c, s, mn, 1, K, q, qs, qsums, R, out, N);                                                           \
+        else                                                                                                          \
+            group(c, s, mn, 0, K, q, qs, qsums, R, out, N);                                                           \
+        break;
+            switch (rows) {
+                GROUP(1) GROUP(2) GROUP(3) GROUP(4) GROUP(5) GROUP(6) GROUP(7) GROUP(8)
+            }
+#undef GROUP
         }
     }
     free(xq);

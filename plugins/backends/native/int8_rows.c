@@ -11,7 +11,7 @@
 
 #include "simd.h"
 
-#define ROW_TILE 4
+#define ROW_TILE 8
 /* Columns summed in int32 lanes before converting: each lane then holds FLUSH / 16 products of
  * at most 127 * 32767, below 2^31. */
 #define FLUSH 2048
@@ -27,7 +27,7 @@ static void quantize_row(const void *x, int bf16, int64_t row, int64_t K, int16_
 }
 
 /* 16 output rows (a group) times up to ROW_TILE activation rows. */
-static inline void group(const int8_t *codes, const uint16_t *scales, int64_t K, const int16_t *xq, const float *xs,
+INLINE void group(const int8_t *codes, const uint16_t *scales, int64_t K, const int16_t *xq, const float *xs,
                          int rows, float *y, int64_t ldy)
 {
     __m512 acc[ROW_TILE][16];
@@ -70,8 +70,19 @@ void int8_rows_matmul(const void *x, int x_bf16, int64_t M, int64_t K, const int
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t g = 0; g < N / 16; g++) {
         for (int64_t m = 0; m < M; m += ROW_TILE) {
-            int rows = M - m < ROW_TILE ? (int)(M - m) : ROW_TILE;
-            group(codes + 16 * g * K, scales + 16 * g, K, xq + m * K, xs + m, rows, y + m * N + 16 * g, N);
+            const int rows = M - m < ROW_TILE ? (int)(M - m) : ROW_TILE;
+            const int8_t *c = codes + 16 * g * K;
+            const int16_t *q = xq + m * K;
+            float *out = y + m * N + 16 * g;
+            /* one copy of the loop per constant row count: accumulators stay in registers */
+#define GROUP(R)                                                                                                      \
+    case R:                                                                                                           \
+        group(c, scales + 16 * g, K, q, xs + m, R, out, N);                                                           \
+        break;
+            switch (rows) {
+                GROUP(1) GROUP(2) GROUP(3) GROUP(4) GROUP(5) GROUP(6) GROUP(7) GROUP(8)
+            }
+#undef GROUP
         }
     }
     free(xq);
