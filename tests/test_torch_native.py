@@ -109,6 +109,26 @@ def test_int4_blocks_matmul_matches_float64(half, rows, cols, dtype):
 
 
 @needs_native
+@pytest.mark.parametrize("half", [True, False], ids=["f16", "f32"])
+@pytest.mark.parametrize(("rows", "cols"), [(16, 64), (48, 576), (32, 1024)])  # a 64-wide tail chunk, then none
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_int4_blocks_coarse_products_are_within_int8_rounding_per_block(half, rows, cols, dtype):
+    layer, weight = random_blocks(rows, cols, half)
+    x = randn(11, cols, seed=4).to(dtype)
+    x[:, 3] *= 50  # an outlier coarsens only its own block
+    expected = x.double() @ weight.double().T
+    got = layer.coarse(x)
+    assert got.dtype == torch.float32
+    # each activation off by at most half a step of its block's int8 scale (its largest value / 127)
+    steps = x.double().view(11, -1, 32).abs().amax(-1) / 254  # [rows, blocks]
+    bound = steps @ weight.double().abs().view(rows, -1, 32).sum(-1).T
+    assert ((got.double() - expected).abs() <= bound * 1.0001 + 1e-5 * expected.abs().max()).all()
+    assert not torch.equal(got, layer.matmul(x))  # a different, coarser path
+    for i in range(11):
+        assert torch.equal(layer.coarse(x[i : i + 1])[0], got[i])
+
+
+@needs_native
 def test_int4_blocks_rows_are_the_same_alone_and_batched():
     layer, _ = random_blocks(64, 576, half=True)
     x = randn(11, 576, seed=2)

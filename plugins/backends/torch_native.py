@@ -110,7 +110,7 @@ def load(name: str) -> ctypes.CDLL | None:
 _i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 # function -> (source file, argument types)
 SIGNATURES = {
-    "int4_blocks_matmul": ("int4_blocks", (_ptr, _int, _i64, _i64, _ptr, _ptr, _ptr, _int, _i64, _ptr, _int)),
+    "int4_blocks_matmul": ("int4_blocks", (_ptr, _int, _i64, _i64, _ptr, _ptr, _ptr, _int, _i64, _ptr, _int, _int)),
     "int8_rows_matmul": ("int8_rows", (_ptr, _int, _i64, _i64, _ptr, _ptr, _i64, _ptr, _int)),
     "int8_two_levels": ("int8_rows", (_ptr, _int, _i64, _i64, _ptr, _ptr, _int)),
     "int8_two_level_out": ("int8_rows", (_ptr, _ptr, _ptr, _i64, _i64, _ptr, _int)),
@@ -148,9 +148,12 @@ def _floats(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous()
 
 
-def int4_blocks_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+def int4_blocks_matmul(
+    x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, coarse: bool = False
+) -> torch.Tensor:
     """x [rows, in] (float32 or bf16) times the 4-bit weight's transpose -> float32 [rows, out]
-    (layout and arithmetic: native/int4_blocks.c; scales and mins both float16 or both float32)."""
+    (layout and arithmetic: native/int4_blocks.c; scales and mins both float16 or both float32).
+    `coarse`: int8 activations, about twice as fast at several rows, for ranking candidates."""
     x = _floats(x)
     rows, cols = x.shape
     out = torch.empty((rows, codes.shape[0]), dtype=torch.float32)
@@ -158,7 +161,8 @@ def int4_blocks_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tenso
         # Pointers are read at each call: stacking may move a weight's storage after load.
         function("int4_blocks_matmul")(
             x.data_ptr(), x.dtype is torch.bfloat16, rows, cols, codes.data_ptr(), scales.data_ptr(),
-            mins.data_ptr(), scales.dtype is torch.float16, codes.shape[0], out.data_ptr(), torch.get_num_threads(),
+            mins.data_ptr(), scales.dtype is torch.float16, codes.shape[0], out.data_ptr(), coarse,
+            torch.get_num_threads(),
         )  # fmt: skip
     return out
 

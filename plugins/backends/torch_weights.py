@@ -176,6 +176,10 @@ class Int4Blocks:
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         return torch_native.int4_blocks_matmul(x, self.codes, self.scales, self.mins)
 
+    def coarse(self, x: torch.Tensor) -> torch.Tensor:
+        """Products with int8 activations (a scale per 32): for ranking candidates, ~1.3x as fast."""
+        return torch_native.int4_blocks_matmul(x, self.codes, self.scales, self.mins, coarse=True)
+
 
 def _long_runs(x: torch.Tensor, runs: Runs, kernel: Any, long_kernel: Any, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Runs of LONG_RUN_ROWS rows or more through `long_kernel` (all of them in one call), the other
@@ -377,8 +381,13 @@ class RescoredLogits:
     def nbytes(self) -> int:
         return self.approx.nbytes
 
+    def approximate(self, x: torch.Tensor) -> torch.Tensor:
+        """float32 logits that rank the candidates and stand for the unlikely rest. Coarse int8
+        activations move them by about a tenth of what the 4-bit weights already do."""
+        return self.approx.coarse(x) if isinstance(self.approx, Int4Blocks) else self.approx._kernel(x).float()
+
     def matmul(self, x: torch.Tensor, runs: Runs = None) -> torch.Tensor:
-        logits = self.approx._kernel(x).float()
+        logits = self.approximate(x)
         if not len(x):
             return logits
         top = top_indices(logits, min(RESCORE_TOP, logits.shape[1]))  # [rows, k]

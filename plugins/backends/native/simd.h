@@ -75,10 +75,14 @@ INLINE __m512 sum16(const __m512 *v)
     return _mm512_add_ps(_mm512_shuffle_f32x4(y01, y23, 0x88), _mm512_shuffle_f32x4(y01, y23, 0xDD));
 }
 
+/* DOT16: int32 lanes += sums of two int16 products; DOT8: += sums of four u8 (a) times s8 (b)
+ * products (no saturation for |a| < 64: maddubs's int16 pairs stay in range). */
 #ifdef __AVX512VNNI__
 #define DOT16(acc, a, b) _mm512_dpwssd_epi32((acc), (a), (b))
+#define DOT8(acc, a, b) _mm512_dpbusd_epi32((acc), (a), (b))
 #else
 #define DOT16(acc, a, b) _mm512_add_epi32((acc), _mm512_madd_epi16((a), (b)))
+#define DOT8(acc, a, b) _mm512_add_epi32((acc), _mm512_madd_epi16(_mm512_maddubs_epi16((a), (b)), _mm512_set1_epi16(1)))
 #endif
 
 #endif
