@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import trio
 
+import corral.runner.batching as batching_module
 import corral.runner.runtime as runtime_module
 from corral.kvcache import CausalCache, shift_sequence
 from corral.model import Batch
@@ -101,6 +102,34 @@ async def alone_and_together(path, options: list[dict]) -> tuple[list[str], list
                 nursery.start_soon(run, i)
         together_steps = rt.batcher.stats.steps
     return alone, together, alone_steps, together_steps
+
+
+async def test_requests_that_arrive_together_share_their_first_step(smollm2_path, monkeypatch):
+    # A long wait bound: the first step must start because every request was added, not on time.
+    monkeypatch.setattr(batching_module, "ARRIVAL_WAIT", 30.0)
+    async with Runtime.open(smollm2_path, num_parallel=4, num_ctx=256) as rt:
+        finals = [None] * 4
+
+        async def run(i):
+            finals[i] = (await complete(rt, PROMPTS[i % len(PROMPTS)], {"temperature": 0, "num_predict": 1}, raw=True))[1]
+
+        with trio.fail_after(20):
+            async with trio.open_nursery() as nursery:
+                for i in range(4):
+                    nursery.start_soon(run, i)
+        assert all(final.eval_count == 1 for final in finals)
+        assert rt.batcher.stats.steps == 1 and rt.batcher.arriving == 0
+
+
+async def test_a_request_failing_before_its_sequence_starts_is_not_waited_for(smollm2_path, monkeypatch):
+    monkeypatch.setattr(batching_module, "ARRIVAL_WAIT", 30.0)
+    async with Runtime.open(smollm2_path, num_parallel=2, num_ctx=256) as rt:
+        with pytest.raises(InvalidPromptError):
+            await complete(rt, "", {"num_predict": 1}, raw=True)  # an empty prompt fails after tokenizing
+        assert rt.batcher.arriving == 0
+        with trio.fail_after(20):
+            text, final = await complete(rt, STORY, {"temperature": 0, "num_predict": 2}, raw=True)
+        assert final.eval_count == 2
 
 
 @pytest.mark.parametrize("name", ["smollm2", "gemma3"])

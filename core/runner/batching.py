@@ -22,6 +22,7 @@ from corral.runner import compute
 from corral.sample import SampleResult, SamplerChain, SequenceSampler
 
 EVENT_BUFFER = 64  # tokens a sequence may run ahead of its reader before it is paused
+ARRIVAL_WAIT = 0.01  # seconds the first step after idling waits for requests still on their way
 
 
 @attrs.frozen
@@ -131,7 +132,17 @@ class BatchingActor:
         self.num_batch = num_batch
         self.sequences: list[Sequence] = []
         self.stats = BatchStats()
+        self.arriving = 0  # requests expected but not yet added (their prompts tokenize in threads)
         self._wake = trio.Event()
+
+    def expect(self) -> None:
+        """A request has started: its sequence will be added, or `arrived` called, soon."""
+        self.arriving += 1
+
+    def arrived(self) -> None:
+        """An expected request is added now, or will never be."""
+        self.arriving -= 1
+        self.wake()
 
     def add(self, seq: Sequence) -> None:
         """Start scheduling `seq`."""
@@ -159,11 +170,21 @@ class BatchingActor:
             if not plan:
                 self._wake = trio.Event()
                 await self._wake.wait()
+                await self._await_arrivals()
                 continue
             batch, emitting = build_batch(plan)
             view = self.cache.prepare(batch)
             result = await compute.run(self._execute, batch, view, emitting)
             self._update(plan, emitting, result)
+
+    async def _await_arrivals(self) -> None:
+        # Requests that come together finish tokenizing one by one: a step for the first alone and
+        # another for the rest costs more than one step for all of them (8 x 64-token prompts on
+        # smollm2: 0.67 vs 0.60 s). So after idling, wait briefly for those already on their way.
+        with trio.move_on_after(ARRIVAL_WAIT):
+            while self.arriving > 0:
+                self._wake = trio.Event()
+                await self._wake.wait()
 
     def _execute(self, batch: Batch, view: Any, emitting: list[Sequence]) -> SampleResult:
         logits = self.model.backend.run(self.model.model, batch, view)

@@ -230,8 +230,9 @@ class Runtime:
             # raised inside the batching actor's step, it would end the runtime
             raise InvalidOptionError(f"top_logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS}, got {top_logprobs!r}")
         send, receive = trio.open_memory_channel(0)
-        state: dict[str, Any] = {}
+        state: dict[str, Any] = {"expected": True}
         scope = trio.CancelScope()
+        self.batcher.expect()
         self._nursery.start_soon(self._run_sequence, scope, prompt_ids, opts, shift, logprobs, top_logprobs, grammar, send, state)
         try:
             async with receive:
@@ -259,6 +260,8 @@ class Runtime:
                 except Exception as exc:  # reported to this request's reader, never to the runtime
                     state["error"] = exc
                 finally:
+                    if state.pop("expected", False):
+                        self.batcher.arrived()  # failed before its sequence was added
                     self._release(state, finished=state.get("finished", False))
 
     async def _sequence(self, prompt_ids, opts: Options, shift, logprobs, top_logprobs, grammar, out, state) -> None:
@@ -294,6 +297,8 @@ class Runtime:
             top_logprobs=top_logprobs if logprobs else 0,
         )
         state["seq"] = seq
+        del state["expected"]
+        self.batcher.arrived()
         self.batcher.add(seq)
         actor = SequenceActor(seq, self.model.tokenizer, opts.stop, reused, logprobs, resume=self.batcher.wake)
         async with events_receive:
