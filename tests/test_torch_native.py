@@ -253,34 +253,61 @@ def reference_attention(q, keys, values, group, scale) -> torch.Tensor:
     [(9, 3, 64, [512, 17, 1]), (4, 1, 256, [100, 99]), (8, 8, 32, [16, 15, 33]), (6, 2, 48, [5])],
 )
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_decode_attention_matches_float64_and_is_the_same_alone(heads, kv_heads, dim, lengths, dtype):
+def test_row_attention_matches_float64_and_is_the_same_alone(heads, kv_heads, dim, lengths, dtype):
     region = 600
     keys = randn(kv_heads, region * len(lengths), dim, seed=13).to(dtype)
     values = randn(kv_heads, region * len(lengths), dim, seed=14).to(dtype)
     q = randn(len(lengths), heads, dim, seed=15)
-    groups = [types.SimpleNamespace(start=i * region, used=n, mask=None) for i, n in enumerate(lengths)]
+    groups = [types.SimpleNamespace(rows=slice(i, i + 1), start=i * region, used=n, mask=None) for i, n in enumerate(lengths)]
     mask = torch.rand(1, lengths[0], generator=torch.Generator().manual_seed(16)) > 0.3
     mask[0, -1] = True  # a row always sees its own key
     groups[0].mask = mask
-    got = torch_native.decode_attention(q, keys, values, torch_native.attention_regions(groups), 0.125)
+    got = torch_native.row_attention(q, keys, values, torch_native.attention_regions(groups, len(lengths)), 0.125)
     assert got.shape == (len(lengths), heads, dim) and got.dtype == torch.float32
     for i, group in enumerate(groups):
         expected = reference_attention(q[i : i + 1], keys, values, group, 0.125)
         assert (got[i].double() - expected).abs().max() < 2e-6
-        alone = torch_native.decode_attention(q[i : i + 1], keys, values, torch_native.attention_regions([group]), 0.125)
+        group.rows = slice(0, 1)
+        alone = torch_native.row_attention(q[i : i + 1], keys, values, torch_native.attention_regions([group], 1), 0.125)
         assert torch.equal(alone[0], got[i])
 
 
 @needs_native
-def test_decode_attention_is_the_same_on_one_thread():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_prompt_rows_attend_each_alone_as_a_decode_row_would(dtype):
+    # Batch rows [0, 7) decode-free prompt rows of sequence A (after 5 cached cells, a causal mask
+    # with a window of 6), given out of order; row 7 a decode row of sequence B.
+    keys, values = randn(2, 64, 32, seed=30).to(dtype), randn(2, 64, 32, seed=31).to(dtype)
+    q = randn(8, 6, 32, seed=32)
+    positions = torch.arange(12)
+    query_positions = torch.arange(5, 12)
+    mask = (positions[None] <= query_positions[:, None]) & (query_positions[:, None] - positions[None] < 6)
+    order = torch.tensor([3, 0, 6, 1, 5, 2, 4])
+    prompt = types.SimpleNamespace(rows=order, start=0, used=12, mask=mask.contiguous())
+    decode = types.SimpleNamespace(rows=slice(7, 8), start=32, used=20, mask=None)
+    regions = torch_native.attention_regions([prompt, decode], 8)
+    assert regions[1, order].tolist() == list(range(6, 13))  # each prompt row reads up to its own cell
+    got = torch_native.row_attention(q, keys, values, regions, 0.3)
+    for i, row in enumerate(order.tolist()):
+        alone = types.SimpleNamespace(rows=slice(0, 1), start=0, used=12, mask=mask[i : i + 1].contiguous())
+        expected = reference_attention(q[row : row + 1], keys, values, alone, 0.3)
+        assert (got[row].double() - expected).abs().max() < 2e-6
+        one = torch_native.row_attention(q[row : row + 1], keys, values, torch_native.attention_regions([alone], 1), 0.3)
+        assert torch.equal(one[0], got[row])
+    decode.rows = slice(0, 1)
+    assert torch.equal(torch_native.row_attention(q[7:], keys, values, torch_native.attention_regions([decode], 1), 0.3)[0], got[7])
+
+
+@needs_native
+def test_row_attention_is_the_same_on_one_thread():
     keys, values = randn(1, 300, 256, seed=17).bfloat16(), randn(1, 300, 256, seed=18).bfloat16()
     q = randn(1, 4, 256, seed=19)  # one kv head: its query heads split across threads
-    groups = [types.SimpleNamespace(start=0, used=300, mask=None)]
-    regions = torch_native.attention_regions(groups)
-    two = torch_native.decode_attention(q, keys, values, regions, 0.0625)
+    groups = [types.SimpleNamespace(rows=slice(0, 1), start=0, used=300, mask=None)]
+    regions = torch_native.attention_regions(groups, 1)
+    two = torch_native.row_attention(q, keys, values, regions, 0.0625)
     torch.set_num_threads(1)
     try:
-        assert torch.equal(torch_native.decode_attention(q, keys, values, regions, 0.0625), two)
+        assert torch.equal(torch_native.row_attention(q, keys, values, regions, 0.0625), two)
     finally:
         torch.set_num_threads(2)
 
@@ -306,17 +333,20 @@ def test_backend_runs_norms_natively_and_not_on_cuda_shaped_weights():
 
 @needs_native
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_decode_attention_stores_the_new_rows_as_torch_would_first(dtype):
+def test_row_attention_stores_the_new_rows_as_torch_would_first(dtype):
     keys, values = randn(3, 64, 32, seed=24).to(dtype), randn(3, 64, 32, seed=25).to(dtype)
     k, v, q = randn(2, 3, 32, seed=26) * 7, randn(2, 3, 32, seed=27), randn(2, 6, 32, seed=28)
-    groups = [types.SimpleNamespace(start=0, used=20, mask=None), types.SimpleNamespace(start=32, used=9, mask=None)]
+    groups = [
+        types.SimpleNamespace(rows=slice(0, 1), start=0, used=20, mask=None),
+        types.SimpleNamespace(rows=slice(1, 2), start=32, used=9, mask=None),
+    ]
     expected_keys, expected_values = keys.clone(), values.clone()
     torch_attention._write_cells(expected_keys, torch.tensor([19, 40]), k)
     torch_attention._write_cells(expected_values, torch.tensor([19, 40]), v)
-    expected = torch_native.decode_attention(q, expected_keys, expected_values, torch_native.attention_regions(groups), 0.2)
+    expected = torch_native.row_attention(q, expected_keys, expected_values, torch_native.attention_regions(groups, 2), 0.2)
     fused = randn(2, 3 * 32 * 3, seed=29)  # k and v as column slices of one fused output, as the model has them
     fused[:, 96:192], fused[:, 192:] = k.reshape(2, 96), v.reshape(2, 96)
     k_view, v_view = fused[:, 96:192].view(2, 3, 32), fused[:, 192:].view(2, 3, 32)
-    got = torch_native.decode_attention(q, keys, values, torch_native.attention_regions(groups, [19, 40]), 0.2, (k_view, v_view))
+    got = torch_native.row_attention(q, keys, values, torch_native.attention_regions(groups, 2, [19, 40]), 0.2, (k_view, v_view))
     assert torch.equal(keys, expected_keys) and torch.equal(values, expected_values)  # bf16 rounded to nearest even
     assert torch.equal(got, expected)

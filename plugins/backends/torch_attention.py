@@ -1,10 +1,11 @@
 """The torch backend's attention over the KV cache, one sequence's cells at a time.
 
 Batch invariance: a row's attention reads only its own sequence's region of the cache (see
-core/kvcache.py), through a call whose result cannot depend on what else is in the batch: one
-SDPA call per sequence, or one call for the decode rows of sequences reading the same number of
-cells (the kernel computes each (sequence, head) pair on its own). Which path and dtype a
-sequence takes depends only on its own rows and cells.
+core/kvcache.py), through a call whose result cannot depend on what else is in the batch. With the
+native kernel (CPU), every row of the batch, prompt or decode, is one call that computes each
+(row, kv head) on its own in float32. Otherwise: one SDPA call per sequence, or one call for the
+decode rows of sequences reading the same number of cells; which path and dtype a sequence takes
+depends only on its own rows and cells.
 """
 
 from __future__ import annotations
@@ -27,14 +28,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Any, lay
     cells = cache.layer_slots(layer)
     groups = cache.layer_groups(layer)
     gqa = q.shape[1] != k.shape[1]
-    if torch_native.takes_decode_attention(q, keys, values):
-        regions = _decode_regions(groups, cells, q.shape[0])
-        if regions is not None:
+    if torch_native.takes_row_attention(q, keys, values):
+        regions, decode_only = _row_regions(groups, cells, q.shape[0])
+        if decode_only:
             # Decode rows only: the kernel stores their keys and values itself (one call, not three).
-            return torch_native.decode_attention(q, keys, values, regions, scale, (k, v)).reshape(q.shape[0], -1)
+            return torch_native.row_attention(q, keys, values, regions, scale, (k, v)).reshape(q.shape[0], -1)
         _write_cells(keys, cells, k)
         _write_cells(values, cells, v)
-        return _native_attention(q, keys, values, groups, scale, gqa)
+        return torch_native.row_attention(q, keys, values, regions, scale).reshape(q.shape[0], -1)
     _write_cells(keys, cells, k)
     _write_cells(values, cells, v)
     # Decode rows of sequences in step share a call; every other sequence gets its own.
@@ -62,41 +63,23 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Any, lay
     return out.reshape(q.shape[0], -1)
 
 
-def _native_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, groups: list[Any], scale: float, gqa: bool) -> torch.Tensor:
-    """Every decode row (one query of a sequence) in one native call, each prompt run through SDPA
-    on its own: [n, heads * dim] float32 whatever the mix, so a row's bits never depend on it."""
-    rows = q.shape[0]
-    decode = [group for group in groups if _row_count(group.rows) == 1]
-    out = q.new_empty((rows, q.shape[1], values.shape[-1]), dtype=torch.float32)
-    if decode:
-        index = [_first_row(group.rows) for group in decode]
-        out[index] = torch_native.decode_attention(q[index], keys, values, torch_native.attention_regions(decode), scale)
-    for group in groups:
-        if _row_count(group.rows) > 1:
-            queries = q[group.rows].to(_compute_dtype(_row_count(group.rows), keys.dtype)).transpose(0, 1).unsqueeze(0)
-            out[group.rows] = _sequence_attention(queries, keys.unsqueeze(0), values.unsqueeze(0), group, scale, gqa, torch.float32)
-    return out.reshape(rows, -1)
-
-
-# The last batch's decode regions: every layer of a pool shares its groups and cells, so the array
-# is built once per step, not once per layer (the references kept make the identity test sound).
+# The last batch's regions: every layer of a pool shares its groups and cells, so they are built
+# once per step, not once per layer (the references kept make the identity test sound).
 _last_regions: list[Any] = [None, None, None]
 
 
-def _decode_regions(groups: list[Any], cells: Any, rows: int) -> Any:
-    """The native kernel's regions when every row is one sequence's decode row, in order; else None."""
+def _row_regions(groups: list[Any], cells: Any, rows: int) -> tuple[Any, bool]:
+    """The native kernel's regions of every row, and whether the rows are all decode rows in order
+    (then each row's new key and value go to its cell inside the call)."""
     if _last_regions[0] is groups and _last_regions[1] is cells:
         return _last_regions[2]
-    regions = None
-    if all(_row_count(group.rows) == 1 for group in groups) and _in_row_order(groups, rows):
+    decode_only = all(_row_count(group.rows) == 1 for group in groups) and _in_row_order(groups, rows)
+    dest = None
+    if decode_only:
         dest = list(range(cells.start, cells.start + rows)) if isinstance(cells, slice) else cells.tolist()
-        regions = torch_native.attention_regions(groups, dest)
-    _last_regions[:] = [groups, cells, regions]
-    return regions
-
-
-def _first_row(rows: Any) -> int:
-    return rows.start if isinstance(rows, slice) else int(rows[0])
+    entry = (torch_native.attention_regions(groups, rows, dest), decode_only)
+    _last_regions[:] = [groups, cells, entry]
+    return entry
 
 
 def _compute_dtype(rows: int, cached: torch.dtype) -> torch.dtype:

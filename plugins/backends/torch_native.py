@@ -115,13 +115,13 @@ SIGNATURES = {
     "int8_two_levels": ("int8_rows", (_ptr, _int, _i64, _i64, _ptr, _ptr, _int)),
     "int8_two_level_out": ("int8_rows", (_ptr, _ptr, _ptr, _i64, _i64, _ptr, _int)),
     "rms_norm": ("rms_norm", (_ptr, _int, _i64, _i64, _ptr, ctypes.c_float, _ptr, _int)),
-    "decode_attention": (
-        "decode_attention",
+    "row_attention": (
+        "row_attention",
         (_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _int, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _ptr,
          ctypes.c_float, _ptr, _int),
     ),
 }
-RESTYPES = {"decode_attention": ctypes.c_int}
+RESTYPES = {"row_attention": ctypes.c_int}
 MAX_HEAD_GROUP = 16  # query heads per kv head the attention kernel takes
 
 
@@ -220,7 +220,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 _TAKES_ATTENTION: dict[tuple, bool] = {}
 
 
-def takes_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
+def takes_row_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
     """Whether the native attention kernel takes these shapes and dtypes (fixed for a model)."""
     key = (q.shape[1:], keys.shape, keys.dtype, keys.device.type, values.shape, values.dtype)
     if key not in _TAKES_ATTENTION:
@@ -229,16 +229,31 @@ def takes_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
             keys.device.type == "cpu" and keys.dtype == values.dtype and keys.dtype in (torch.bfloat16, torch.float32)
             and q.shape[-1] % 16 == 0 and values.shape[-1] % 16 == 0 and heads % kv_heads == 0
             and heads // kv_heads <= MAX_HEAD_GROUP and keys.is_contiguous() and values.is_contiguous()
-            and has("decode_attention")
+            and has("row_attention")
         )  # fmt: skip
     return _TAKES_ATTENTION[key]
 
 
-def attention_regions(groups: list[Any], dest: list[int] | None = None) -> np.ndarray:
-    """int64 [4, rows]: each decode row's region start, cells used, mask address (0: none) and the
-    cell its new key and value go to (unused without `dest`): what `decode_attention` reads."""
-    masks = [0 if g.mask is None else g.mask.data_ptr() for g in groups]
-    return np.array([[g.start for g in groups], [g.used for g in groups], masks, dest or masks], dtype=np.int64)
+def attention_regions(groups: list[Any], rows: int, dest: list[int] | None = None) -> np.ndarray:
+    """What `row_attention` reads, int64 [4, rows]: for each query row, in batch order, its
+    sequence's first cell, the cells it reads (up to its last visible one: a prompt row skips the
+    keys after it), the address of its mask row (0: every cell visible), and the cell its new key
+    and value go to (`dest`: decode rows only)."""
+    regions = np.zeros((4, rows), dtype=np.int64)
+    for group in groups:
+        index = group.rows if isinstance(group.rows, slice) else group.rows.cpu().numpy()
+        regions[0, index] = group.start
+        regions[1, index] = group.used
+        mask = group.mask
+        if mask is None:
+            continue
+        count = mask.shape[0]
+        if count > 1:  # a masked cell adds an exact 0 to every sum: skipping those after the last visible changes nothing
+            regions[1, index] = group.used - mask.flip(1).to(torch.uint8).argmax(1).numpy()
+        regions[2, index] = mask.data_ptr() + np.arange(count, dtype=np.int64) * group.used
+    if dest is not None:
+        regions[3] = dest
+    return regions
 
 
 def _rows_of_heads(x: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -249,11 +264,11 @@ def _rows_of_heads(x: torch.Tensor) -> tuple[torch.Tensor, int]:
     return x, x.stride(0)
 
 
-def decode_attention(
+def row_attention(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, regions: np.ndarray, scale: float, new: tuple | None = None
 ) -> torch.Tensor:
-    """One query row per sequence region (`attention_regions`) -> float32 [rows, heads, value_dim].
-    q [rows, heads, key_dim]; keys, values [kv_heads, cells, dim] (native/decode_attention.c).
+    """Each query row over its own cells (`attention_regions`) -> float32 [rows, heads, value_dim].
+    q [rows, heads, key_dim]; keys, values [kv_heads, cells, dim] (native/row_attention.c).
     `new`: the rows' keys and values [rows, kv_heads, dim], stored first in their cells."""
     q = q.float().contiguous()
     rows, heads, key_dim = q.shape
@@ -264,12 +279,12 @@ def decode_attention(
     key_stride = value_stride = 0
     if new is not None:
         (k, key_stride), (v, value_stride) = _rows_of_heads(new[0]), _rows_of_heads(new[1])
-    failed = function("decode_attention")(
+    failed = function("row_attention")(
         q.data_ptr(), rows, heads, kv_heads, key_dim, value_dim, keys.data_ptr(), values.data_ptr(),
         keys.dtype is torch.bfloat16, cells, address, address + step, address + 2 * step,
         None if k is None else k.data_ptr(), None if v is None else v.data_ptr(), key_stride, value_stride,
         None if k is None else address + 3 * step, scale, out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     if failed:
-        raise MemoryError("native decode attention could not allocate its scores")
+        raise MemoryError("native attention could not allocate its scores")
     return out

@@ -1,14 +1,16 @@
-/* Attention of single query rows (decode steps) over their sequences' cached keys, AVX-512.
+/* Attention of query rows over their sequences' cached keys, each row on its own, AVX-512.
  *
  * torch's CPU SDPA costs ~95 us for one row of 9 heads over 512 bf16 cells in a decode step (its
  * flash kernel is built for blocks of queries); this reads each cached row once per kv head and
- * takes ~15 us. Each (sequence, query head) is computed alone, in float32, in a fixed order: a row's
- * result does not depend on the other rows, their lengths or the thread count.
+ * takes ~15 us. A prompt's rows go through the same code, each reading only the cells up to its
+ * last visible one (half of a causal square): 512 rows of smollm2 in 2.6 ms, SDPA 4.4-5.4 ms.
+ * Each (row, query head) is computed alone, in float32, in a fixed order: a row's result does not
+ * depend on the other rows, their lengths or the thread count.
  *
- * q: float32 [S][heads][key_dim]. keys, values: [kv_heads][cells][dim] (bf16 or float32), one
- * region per sequence: cells starts[s] .. starts[s] + used[s]. masks[s]: 0, or the address of
- * used[s] bools (visible or not). out: float32 [S][heads][value_dim]. Heads h of kv head
- * h / (heads / kv_heads). Dims are multiples of 16.
+ * q: float32 [S][heads][key_dim]. keys, values: [kv_heads][cells][dim] (bf16 or float32); row s
+ * reads cells starts[s] .. starts[s] + used[s]. masks[s]: 0, or the address of used[s] bools
+ * (visible or not). out: float32 [S][heads][value_dim]. Heads h of kv head h / (heads / kv_heads).
+ * Dims are multiples of 16.
  */
 #include <stdlib.h>
 
@@ -160,7 +162,7 @@ static void store_row(const float *row, int64_t heads, int64_t dim, void *buffer
  * is given, each sequence's new key and value rows (float [kv_heads][dim], rows key_stride and
  * value_stride floats apart) are first stored in its cell dest[s]. Fewer (sequence, kv head) pairs than threads are split by query heads, so
  * that every thread has work: each head's arithmetic is the same either way. */
-int decode_attention(const float *q, int64_t S, int64_t heads, int64_t kv_heads, int64_t key_dim, int64_t value_dim,
+int row_attention(const float *q, int64_t S, int64_t heads, int64_t kv_heads, int64_t key_dim, int64_t value_dim,
                      void *keys, void *values, int bf16, int64_t cells, const int64_t *starts, const int64_t *used,
                      const int64_t *masks, const float *new_keys, const float *new_values, int64_t key_stride,
                      int64_t value_stride, const int64_t *dest, float scale, float *out, int threads)
@@ -181,7 +183,8 @@ int decode_attention(const float *q, int64_t S, int64_t heads, int64_t kv_heads,
     const int part = group / (int)parts; /* query heads per task */
     int failed = 0;
     const size_t elem = bf16 ? 2 : 4;
-#pragma omp parallel for num_threads(threads) schedule(static) reduction(| : failed)
+    /* tasks dealt round-robin: a prompt's later rows read more cells than its first ones */
+#pragma omp parallel for num_threads(threads) schedule(static, 1) reduction(| : failed)
     for (int64_t task = 0; task < S * kv_heads * parts; task++) {
         const int64_t s = task / (kv_heads * parts), kvh = task / parts % kv_heads, head = kvh * group + task % parts * part;
         const int64_t n = used[s];
