@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from test_torch_quant import INT4, cols_of, random_raw, reference
 
+from corral.plugins.backends import torch as torch_backend
 from corral.plugins.backends import torch_attention, torch_native, torch_quant
 from corral.plugins.backends.torch import TorchBackend
 from corral.plugins.backends.torch_fusion import stack_weights

@@ -262,14 +262,16 @@ def steps() -> list[Batch]:
     return [Batch.single(TOKENS[:5])] + [Batch.single([t], start=i) for i, t in enumerate(TOKENS[5:], start=5)]
 
 
-def run_fresh(path: str, precision: str) -> list[torch.Tensor]:
-    """Each step through a freshly recorded context, on a backend of its own."""
+def run_fresh(path: str, precision: str, optimize: bool = True) -> list[torch.Tensor]:
+    """Each step through a freshly recorded context, on a backend of its own; rewritten by the
+    fusion passes unless not `optimize`."""
     backend, model = load(path, precision)
     cache, out = CausalCache(backend, model.cache_layers(), 32), []
     for batch in steps():
         view = cache.prepare(batch)
         ctx = backend.new_context(batch, view)
-        out.extend(ctx.compute(model.forward(ctx, batch, view)))
+        output = model.forward(ctx, batch, view)
+        out.extend(ctx.compute(ctx.optimize(output) if optimize else output))
     return out
 
 
@@ -472,8 +474,9 @@ def test_top_indices_are_the_rows_k_largest(vocab):
     assert torch.equal(got.sort(dim=-1).values, expected.sort(dim=-1).values)
 
 
-def test_q_and_k_rotate_in_one_rope_call_with_the_same_bits(tmp_path):
+def test_q_and_k_rotate_in_one_rope_call_with_the_same_bits(tmp_path, monkeypatch):
     # int8 q/k/v stack into one linear, whose q and k column parts then rotate together
+    monkeypatch.setattr(torch_backend, "fuse_gates", lambda graph, outputs, *_: outputs)  # not bit-exact: tested below
     types = {f"blk.{i}.attn_{part}.weight": Q.Q8_0 for i in range(2) for part in "qkv"}
     path = write_tiny_llama(tmp_path / "int8_qkv.gguf", tensor_types=types)
     reused, _, backend = run_reused(path, "auto")  # graphs rewritten by the fusion passes
@@ -481,5 +484,15 @@ def test_q_and_k_rotate_in_one_rope_call_with_the_same_bits(tmp_path):
     ropes = [args for fn, args in graph.nodes if fn is torch_backend._rope]
     assert len(ropes) == 2  # one per layer of the tiny model, q and k together
     assert all(graph.nodes[args[0].index][0] is torch_fusion._column_heads for args in ropes)
-    for got, expected in zip(reused, run_fresh(path, "auto")):  # recorded as written: two ropes a layer
+    for got, expected in zip(reused, run_fresh(path, "auto", optimize=False)):  # as written: two ropes a layer
         assert torch.equal(got, expected)
+
+
+def test_gated_activations_run_as_one_node_close_to_torchs(llama_path):
+    reused, _, backend = run_reused(llama_path, "auto")
+    _, graph, _ = backend._graphs._graphs[(1, 1)]
+    functions = [fn for fn, _ in graph.nodes]
+    if backend.native("gated"):
+        assert torch_backend._gated in functions and F.silu not in functions and torch.mul not in functions
+    for got, expected in zip(reused, run_fresh(llama_path, "auto", optimize=False)):
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)

@@ -39,7 +39,7 @@ from corral.model import Batch
 from corral.hookspecs import hookimpl
 from corral.plugins.backends import torch_native, torch_quant
 from corral.plugins.backends.torch_attention import attention
-from corral.plugins.backends.torch_fusion import fuse_linears, fuse_ropes, stack_weights
+from corral.plugins.backends.torch_fusion import fuse_gates, fuse_linears, fuse_ropes, stack_weights
 from corral.plugins.backends.torch_graph import Graph, GraphCache, Node, Slot
 from corral.plugins.backends.torch_weights import DenseWeight, Int4Blocks, Int4Weight, Int8Weight, MappedRows, RescoredLogits, requantized_int4
 
@@ -184,6 +184,8 @@ class TorchContext(Graph):
     def optimize(self, output: Node) -> Node:
         (output,) = fuse_linears(self, (output,), _linear, self.backend.stacked_weight)
         (output,) = fuse_ropes(self, (output,), _rope)
+        if self.backend.native("gated"):
+            (output,) = fuse_gates(self, (output,), {F.silu: "silu", _gelu_tanh: "gelu_tanh"}, _gated)
         return output
 
     # --- ops -------------------------------------------------------------------------------
@@ -245,7 +247,20 @@ class TorchContext(Graph):
         return self.record(F.silu, x)
 
     def gelu(self, x: Node, approximate: str = "tanh") -> Node:
+        if approximate == "tanh":
+            return self.record(_gelu_tanh, x)
         return self.record(lambda t: F.gelu(t, approximate=approximate), x)
+
+
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+def _gated(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
+    """activation(gate) * up: natively in one pass for float32 rows on the CPU, else torch's two kernels."""
+    if gate.dtype == up.dtype == torch.float32 and gate.device.type == "cpu" and gate.dim() == 2 and gate.stride(1) == up.stride(1) == 1:
+        return torch_native.gated(gate, up, activation)
+    return (F.silu(gate) if activation == "silu" else _gelu_tanh(gate)) * up
 
 
 def _linear(x: torch.Tensor, weight: Any, bias: torch.Tensor | None, runs: list[tuple[int, int]] | None) -> torch.Tensor:

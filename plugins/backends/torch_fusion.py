@@ -1,10 +1,11 @@
-"""Linears that read the same input run as one matmul: q/k/v, gate/up.
+"""Rewrites of a freshly recorded graph (the model code stays as written).
 
-A pass over a freshly recorded graph (the model code stays as written): linears of one input node
+Linears that read the same input run as one matmul (q/k/v, gate/up): linears of one input node
 with compatible weights become one node over their weights stacked by rows, and each original
 node becomes a column slice of its output. Fewer, larger kernel calls: for smollm2 decode, 4
 int4 calls a layer instead of 7. The stacked weight is built once, and the originals are pointed
-into its storage, so nothing is held twice.
+into its storage, so nothing is held twice. Also: q and k rotate in one rope call, and a gated
+activation (act(gate) * up) is one node.
 """
 
 from __future__ import annotations
@@ -194,3 +195,36 @@ def _column_heads(y: torch.Tensor, start: int, stop: int, heads: int, dim: int) 
 
 def _heads(x: torch.Tensor, first: int, end: int) -> torch.Tensor:
     return x[:, first:end]
+
+
+def fuse_gates(graph: Graph, outputs: tuple[Node, ...], activations: dict[Callable, str], gated: Callable) -> tuple[Node, ...]:
+    """Rewrite `graph` so that mul(act(gate), up), act one of `activations` and read only by the
+    product, is one node gated(gate, up, name): one pass over the fused gate/up output."""
+    nodes = graph.nodes
+    readers: dict[int, int] = {}
+    for _, args in nodes:
+        for a in args:
+            if type(a) is Node:
+                readers[a.index] = readers.get(a.index, 0) + 1
+    gates: dict[int, tuple[int, Node, Node, str]] = {}  # mul -> (activation node, gate, up, name)
+    for i, (fn, args) in enumerate(nodes):
+        if fn is not torch.mul or len(args) != 2 or not all(type(a) is Node for a in args):
+            continue
+        for act, up in (args, args[::-1]):
+            act_fn, act_args = nodes[act.index]
+            if act_fn in activations and readers[act.index] == 1 and len(act_args) == 1 and type(act_args[0]) is Node:
+                gates[i] = (act.index, act_args[0], up, activations[act_fn])
+                break
+    if not gates:
+        return outputs
+    dropped = {act for act, _, _, _ in gates.values()}
+    rewrite = Rewrite(graph)
+    for i in range(len(nodes)):
+        if i in dropped:
+            continue
+        if i in gates:
+            _, gate, up, name = gates[i]
+            rewrite.replace(i, gated, rewrite.new(gate), rewrite.new(up), name)
+        else:
+            rewrite.keep(i)
+    return rewrite.finish(outputs)

@@ -115,6 +115,7 @@ SIGNATURES = {
     "int8_two_levels": ("int8_rows", (_ptr, _int, _i64, _i64, _ptr, _ptr, _int)),
     "int8_two_level_out": ("int8_rows", (_ptr, _ptr, _ptr, _i64, _i64, _ptr, _int)),
     "rms_norm": ("rms_norm", (_ptr, _int, _i64, _i64, _ptr, ctypes.c_float, _ptr, _int)),
+    "gated": ("gated", (_ptr, _i64, _ptr, _i64, _i64, _i64, _int, _ptr, _int)),
     "row_attention": (
         "row_attention",
         (_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _int, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _ptr,
@@ -214,6 +215,24 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     rows = x.numel() // dim if dim else 0
     if rows:
         function("rms_norm")(x.data_ptr(), x.dtype is torch.bfloat16, rows, dim, weight.data_ptr(), eps, out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+GATES = {"silu": 0, "gelu_tanh": 1}  # gated.c's activations
+
+
+def gated(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
+    """activation(gate) * up -> float32, one pass (native/gated.c): gate and up float32 [rows,
+    width] with unit column strides (column slices of one fused output are read in place)."""
+    rows, width = gate.shape
+    if up.shape != gate.shape or gate.stride(1) != 1 or up.stride(1) != 1:
+        raise ValueError(f"gated: gate {tuple(gate.shape)} and up {tuple(up.shape)} must be equal rows of unit stride")
+    out = torch.empty((rows, width), dtype=torch.float32)
+    if rows:
+        function("gated")(
+            gate.data_ptr(), gate.stride(0), up.data_ptr(), up.stride(0), rows, width, GATES[activation], out.data_ptr(),
+            torch.get_num_threads(),
+        )  # fmt: skip
     return out
 
 

@@ -59,6 +59,23 @@ INLINE __m256i codes16(const void *x, int bf16, int64_t i, __m512 inverse)
     return _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(load16_all(x, bf16, i), inverse)));
 }
 
+/* e^x for x <= 0 (scores minus their maximum): 2^n e^r, |r| <= ln2 / 2, degree-6 Taylor (~1 ulp). */
+INLINE __m512 exp_nonpositive(__m512 x)
+{
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 720);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
 /* Lane i: the sum of v[i]'s 16 lanes, in a fixed order of additions. */
 INLINE __m512 sum16(const __m512 *v)
 {
