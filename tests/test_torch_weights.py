@@ -20,7 +20,7 @@ from corral.plugins.backends import torch_weights
 from corral.plugins.backends.torch import TorchBackend
 from corral.plugins.backends import torch_fusion
 from corral.plugins.backends.torch_fusion import stack_weights
-from corral.plugins.backends.torch_graph import sequence_runs
+from corral.plugins.backends.torch_graph import Graph, Slot, sequence_runs
 from corral.plugins.backends.torch_weights import (
     LONG_RUN_ROWS, RESCORE_TOP, DenseWeight, Int4Blocks, Int4Weight, Int8Weight, MappedRows, RescoredLogits, int8_matmul,
     requantized_int4,
@@ -496,3 +496,27 @@ def test_gated_activations_run_as_one_node_close_to_torchs(llama_path):
         assert torch_backend._gated in functions and F.silu not in functions and torch.mul not in functions
     for got, expected in zip(reused, run_fresh(llama_path, "auto", optimize=False)):
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_a_graph_runs_compiled_from_its_second_run_with_the_same_results_and_releases():
+    import weakref
+
+    graph, seen = Graph(), []
+
+    def remember(t):
+        seen.append(weakref.ref(t))
+        return t * 2
+
+    x = graph.record(lambda values: torch.as_tensor(values, dtype=torch.float32), Slot("inputs"))
+    doubled = graph.record(remember, x)
+    total = graph.record(torch.add, doubled, 1.0)
+    alive_at_end = graph.record(lambda t: [ref() is not None for ref in seen], total)  # after doubled's last reader
+    for step in range(3):
+        graph.bindings = {"inputs": np.arange(4) + step}
+        got, alive = graph.compute(total, alive_at_end)
+        assert torch.equal(got, torch.arange(4, dtype=torch.float32) * 2 + 2 * step + 1)
+        assert alive[-1] is False  # the intermediate was freed once read, interpreted or compiled
+    assert graph._plan._compiled is not None and graph._plan.runs == 3
+    graph.record(torch.neg, total)  # recording more makes a new plan, interpreted first
+    graph.compute(total)
+    assert graph._plan.runs == 1 and graph._plan._compiled is None

@@ -5,6 +5,10 @@ A model's `forward` records a list of (function, arguments) nodes. What changes 
 arguments bound when the graph runs, so the graph of a decode step can run again for the next
 step with new bindings instead of being rebuilt by the model (which costs as much Python as
 running it). A graph whose inputs are not the batch's own arrays is used once.
+
+A graph's first run interprets its node list; from its second run on, it runs as a generated
+straight-line Python function (`Plan`): one call per node with its arguments in local variables,
+each value dropped after its last reader, ~1 us a node less (smollm2 decode: ~600 nodes a token).
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ class Graph:
         self.nodes: list[tuple[Callable, tuple]] = []
         self.bindings: dict[str, Any] = {}
         self.replayable = batch is not None
-        self._release_plan: tuple[tuple, list[list[int]]] | None = None
+        self._plan: Plan | None = None
         self.batch, self.view = batch, view
         if batch is not None:
             self.bind(batch, view)
@@ -80,31 +84,86 @@ class Graph:
         return output
 
     def compute(self, *outputs: Node) -> list[torch.Tensor]:
-        values: list[Any] = [None] * len(self.nodes)
-        bound = self.bindings
-        releases = self._releases(outputs)
-        with torch.inference_mode():
-            for i, (fn, args) in enumerate(self.nodes):
-                values[i] = fn(*[values[a.index] if type(a) is Node else bound[a.name] if type(a) is Slot else a for a in args])
-                for done in releases[i]:
-                    values[done] = None  # its last reader has run: free it now, not at the end of the graph
-        return [values[out.index] for out in outputs]
-
-    def _releases(self, outputs: tuple[Node, ...]) -> list[list[int]]:
-        """For each node, the values whose last reader it is (outputs are never released)."""
         key = tuple(out.index for out in outputs)
-        if self._release_plan is None or self._release_plan[0] != (len(self.nodes), key):
-            last_reader = {}
-            for i, (_, args) in enumerate(self.nodes):
-                for a in args:
-                    if type(a) is Node:
-                        last_reader[a.index] = i
-            releases: list[list[int]] = [[] for _ in self.nodes]
-            for value, reader in last_reader.items():
-                if value not in key:
-                    releases[reader].append(value)
-            self._release_plan = ((len(self.nodes), key), releases)
-        return self._release_plan[1]
+        if self._plan is None or not self._plan.fits(self.nodes, key):
+            self._plan = Plan(self.nodes, key)
+        with torch.inference_mode():
+            return self._plan.run(self.bindings)
+
+
+class Plan:
+    """How to run a node list for some outputs: which values each node is the last reader of, and,
+    once the same plan runs a second time, the node list compiled into one Python function."""
+
+    def __init__(self, nodes: list[tuple[Callable, tuple]], outputs: tuple[int, ...]):
+        self.nodes, self.size, self.outputs = nodes, len(nodes), outputs
+        self.releases = _releases(nodes, outputs)
+        self.runs = 0
+        self._compiled: Callable | None = None
+
+    def fits(self, nodes: list[tuple[Callable, tuple]], outputs: tuple[int, ...]) -> bool:
+        # The node list itself (rewrites install a new one) and its length (recording appends).
+        return nodes is self.nodes and len(nodes) == self.size and outputs == self.outputs
+
+    def run(self, bound: dict[str, Any]) -> list[Any]:
+        self.runs += 1
+        if self._compiled is None and self.runs > 1:
+            self._compiled = _compile(self.nodes, self.outputs, self.releases)
+        if self._compiled is not None:
+            return self._compiled(bound)
+        values: list[Any] = [None] * len(self.nodes)
+        for i, (fn, args) in enumerate(self.nodes):
+            values[i] = fn(*[values[a.index] if type(a) is Node else bound[a.name] if type(a) is Slot else a for a in args])
+            for done in self.releases[i]:
+                values[done] = None  # its last reader has run: free it now, not at the end of the graph
+        return [values[out] for out in self.outputs]
+
+
+def _releases(nodes: list[tuple[Callable, tuple]], outputs: tuple[int, ...]) -> list[list[int]]:
+    """For each node, the values whose last reader it is (outputs are never released)."""
+    last_reader = {}
+    for i, (_, args) in enumerate(nodes):
+        for a in args:
+            if type(a) is Node:
+                last_reader[a.index] = i
+    releases: list[list[int]] = [[] for _ in nodes]
+    for value, reader in last_reader.items():
+        if value not in outputs:
+            releases[reader].append(value)
+    return releases
+
+
+def _compile(nodes: list[tuple[Callable, tuple]], outputs: tuple[int, ...], releases: list[list[int]]) -> Callable:
+    """The node list as `run(bound) -> [outputs]`: functions and constant arguments are closure
+    variables, slots are read from `bound` once, values are locals deleted after their last reader."""
+    free: list[Any] = []  # closure values, named c0, c1, ...
+    slots: set[str] = set()
+    lines = []
+
+    def constant(value: Any) -> str:
+        free.append(value)
+        return f"c{len(free) - 1}"
+
+    def argument(a: Any) -> str:
+        if type(a) is Node:
+            return f"v{a.index}"
+        if type(a) is Slot:
+            slots.add(a.name)
+            return f"s_{a.name}"
+        return constant(a)
+
+    for i, (fn, args) in enumerate(nodes):
+        call = f"{constant(fn)}({', '.join(argument(a) for a in args)})"
+        lines.append(f"v{i} = {call}")
+        if releases[i]:
+            lines.append("del " + ", ".join(f"v{done}" for done in releases[i]))
+    lines.append(f"return [{', '.join(f'v{out}' for out in outputs)}]")
+    body = [f"s_{name} = bound[{name!r}]" for name in sorted(slots)] + lines
+    source = f"def make({', '.join(f'c{j}' for j in range(len(free)))}):\n    def run(bound):\n"
+    source += "".join(f"        {line}\n" for line in body) + "    return run\n"
+    namespace: dict[str, Any] = {}
+    exec(compile(source, "<corral graph>", "exec"), namespace)  # noqa: S102 - our own generated code
+    return namespace["make"](*free)
 
 
 class Rewrite:
