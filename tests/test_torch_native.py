@@ -287,7 +287,7 @@ def test_prompt_rows_attend_each_alone_as_a_decode_row_would(dtype):
     prompt = types.SimpleNamespace(rows=order, start=0, used=12, mask=mask.contiguous())
     decode = types.SimpleNamespace(rows=slice(7, 8), start=32, used=20, mask=None)
     regions = torch_native.attention_regions([prompt, decode], 8)
-    assert regions[1, order].tolist() == list(range(6, 13))  # each prompt row reads up to its own cell
+    assert regions.array[1, order].tolist() == list(range(6, 13))  # each prompt row reads up to its own cell
     got = torch_native.row_attention(q, keys, values, regions, 0.3)
     for i, row in enumerate(order.tolist()):
         alone = types.SimpleNamespace(rows=slice(0, 1), start=0, used=12, mask=mask[i : i + 1].contiguous())

@@ -146,7 +146,7 @@ def _floats(x: torch.Tensor) -> torch.Tensor:
     """x as contiguous float32 or bf16 (the dtypes the kernels read)."""
     if x.dtype is not torch.float32 and x.dtype is not torch.bfloat16:
         x = x.float()
-    return x.contiguous()
+    return x if x.is_contiguous() else x.contiguous()
 
 
 def int4_blocks_matmul(
@@ -253,7 +253,16 @@ def takes_row_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     return _TAKES_ATTENTION[key]
 
 
-def attention_regions(groups: list[Any], rows: int, dest: list[int] | None = None) -> np.ndarray:
+class Regions:
+    """An `attention_regions` array and its address (numpy's `.ctypes` costs microseconds a call)."""
+
+    __slots__ = ("array", "address")
+
+    def __init__(self, array: np.ndarray):
+        self.array, self.address = array, array.ctypes.data
+
+
+def attention_regions(groups: list[Any], rows: int, dest: list[int] | None = None) -> Regions:
     """What `row_attention` reads, int64 [4, rows]: for each query row, in batch order, its
     sequence's first cell, the cells it reads (up to its last visible one: a prompt row skips the
     keys after it), the address of its mask row (0: every cell visible), and the cell its new key
@@ -272,28 +281,30 @@ def attention_regions(groups: list[Any], rows: int, dest: list[int] | None = Non
         regions[2, index] = mask.data_ptr() + np.arange(count, dtype=np.int64) * group.used
     if dest is not None:
         regions[3] = dest
-    return regions
+    return Regions(regions)
 
 
 def _rows_of_heads(x: torch.Tensor) -> tuple[torch.Tensor, int]:
     """x [rows, heads, dim] as float32 with contiguous heads, and its row stride."""
-    x = x.float()
+    if x.dtype is not torch.float32:
+        x = x.float()
     if x.stride(2) != 1 or x.stride(1) != x.shape[2]:
         x = x.contiguous()
     return x, x.stride(0)
 
 
 def row_attention(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, regions: np.ndarray, scale: float, new: tuple | None = None
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, regions: Regions, scale: float, new: tuple | None = None
 ) -> torch.Tensor:
     """Each query row over its own cells (`attention_regions`) -> float32 [rows, heads, value_dim].
     q [rows, heads, key_dim]; keys, values [kv_heads, cells, dim] (native/row_attention.c).
     `new`: the rows' keys and values [rows, kv_heads, dim], stored first in their cells."""
-    q = q.float().contiguous()
+    if q.dtype is not torch.float32 or not q.is_contiguous():
+        q = q.float().contiguous()
     rows, heads, key_dim = q.shape
     kv_heads, cells, value_dim = values.shape
     out = torch.empty((rows, heads, value_dim), dtype=torch.float32)
-    address, step = regions.ctypes.data, rows * 8
+    address, step = regions.address, rows * 8
     k = v = None
     key_stride = value_stride = 0
     if new is not None:
