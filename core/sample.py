@@ -29,11 +29,20 @@ third-party step, active for it).
 
 Each sequence draws with its own `torch.Generator`, one uniform number per token, and inverts the
 CDF of its own row: a seeded sequence gives the same tokens whatever else is in the batch.
+
+Candidates: a step that leaves every row at most `keeps_at_most(params)` unmasked tokens and can
+return them as `candidates(logits, params) -> (values, ids)` (top-k) lets the chain continue on
+those candidates alone, [b, k] instead of [b, V], when every later
+active step declares `by_value = True` (it reads and masks logits by value only, never by token id:
+temperature, typical-p, top-p, min-p). The values, and the draw (which walks candidates in token-id
+order either way), are the same as over the whole vocabulary; Ollama's defaults on a 262k
+vocabulary cost ~1/8 of the time.
 """
 
 from __future__ import annotations
 
 import collections
+import math
 import os
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
@@ -165,15 +174,34 @@ class SamplerChain:
 
     def process(self, logits: torch.Tensor, seqs: Sequence[SequenceSampler]) -> torch.Tensor:
         """Run every step over the rows that need it: the final logits [B, V], -inf where masked."""
+        values, ids = self._candidates(logits, seqs)
+        if ids is None:
+            return values
+        return torch.full(logits.shape, float("-inf"), device=values.device).scatter_(1, ids, values)
+
+    def _candidates(self, logits: torch.Tensor, seqs: Sequence[SequenceSampler]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The final logits [B, V] and None; or, once a step narrowed every row, the final logits of
+        the candidates [B, k] and their token ids."""
         out = logits.to(torch.float32, copy=True)
         params = BatchParams(seqs, out.device, self.fields)
-        for _name, step in self.steps:
-            rows = [row for row, seq in enumerate(seqs) if _active(step, seq)]
-            if len(rows) == len(seqs):
+        ids = None
+        active = [[row for row, seq in enumerate(seqs) if _active(step, seq)] for _, step in self.steps]
+        for index, ((_name, step), rows) in enumerate(zip(self.steps, active)):
+            if ids is None and len(rows) == len(seqs) and self._narrows(step, index, active, params, out.shape[1]):
+                out, ids = step.candidates(out, params)
+            elif len(rows) == len(seqs):
                 out = step.apply(out, params)
             elif rows:
                 out[_index(rows, out)] = step.apply(_rows(out, rows), params.select(rows))
-        return out
+        return out, ids
+
+    def _narrows(self, step: Any, index: int, active: list[list[int]], params: BatchParams, vocab: int) -> bool:
+        """Whether the chain goes on over the candidates after `step` (the index-th, active on every row)."""
+        keeps = getattr(step, "keeps_at_most", None)
+        if keeps is None or not hasattr(step, "candidates") or keeps(params) * 8 > vocab:
+            return False
+        later = [later_step for (_, later_step), rows in zip(self.steps[index + 1 :], active[index + 1 :]) if rows]
+        return all(getattr(later_step, "by_value", False) for later_step in later)
 
     def probabilities(self, logits: torch.Tensor, seqs: Sequence[SequenceSampler]) -> torch.Tensor:
         """The distribution each row draws from, [B, V]; one-hot at the argmax for greedy rows."""
@@ -184,39 +212,62 @@ class SamplerChain:
         return torch.where(greedy[:, None], one_hot, probs)
 
     def sample(
-        self, logits: torch.Tensor, seqs: Sequence[SequenceSampler], top_logprobs: list[int] | None = None
+        self, logits: torch.Tensor, seqs: Sequence[SequenceSampler], top_logprobs: list[int] | None = None, logprobs: bool = True
     ) -> SampleResult:
-        """Choose one token per row of `logits` [B, V]; row i belongs to `seqs[i]` (not accepted into it)."""
+        """Choose one token per row of `logits` [B, V]; row i belongs to `seqs[i]` (not accepted into it).
+        Without `logprobs` (and top_logprobs), the chosen tokens' logprobs are NaN: not computed."""
         raw = logits.float()
-        tokens = self._draw(self.process(raw, seqs), seqs)
+        tokens = self._draw(*self._candidates(raw, seqs), seqs)
+        if not logprobs and not any(top_logprobs or ()):
+            return SampleResult(tokens.tolist(), [math.nan] * len(seqs), [[] for _ in seqs])
         norm = torch.logsumexp(raw, dim=-1)
         chosen = raw.gather(1, tokens[:, None])[:, 0] - norm
         return SampleResult(tokens.tolist(), chosen.tolist(), _alternatives(raw, norm, top_logprobs))
 
-    def _draw(self, final: torch.Tensor, seqs: Sequence[SequenceSampler]) -> torch.Tensor:
+    def _draw(self, final: torch.Tensor, ids: torch.Tensor | None, seqs: Sequence[SequenceSampler]) -> torch.Tensor:
         tokens = torch.zeros(len(seqs), dtype=torch.int64, device=final.device)
         greedy = [row for row, seq in enumerate(seqs) if seq.options.temperature == 0]
         if greedy:
-            tokens[_index(greedy, final)] = _rows(final, greedy).argmax(dim=-1)
+            best = row_argmax(_rows(final, greedy))
+            tokens[_index(greedy, final)] = best if ids is None else _rows(ids, greedy).gather(1, best[:, None])[:, 0]
         drawn = [row for row, seq in enumerate(seqs) if seq.options.temperature > 0]
         if drawn:
             # Each row's draw uses only its own generator and its own probabilities.
             u = torch.tensor([seqs[row].uniform() for row in drawn], dtype=torch.float64, device=final.device)
-            tokens[_index(drawn, final)] = inverse_cdf(_rows(final, drawn), u)
+            tokens[_index(drawn, final)] = inverse_cdf(_rows(final, drawn), u, None if ids is None else _rows(ids, drawn))
         return tokens
 
 
-def inverse_cdf(logits: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """For each row, the token whose interval of the CDF of softmax(logits) holds u in [0, 1): int64 [b]."""
-    width = int((logits > float("-inf")).sum(dim=-1).max())
-    if 2 * width > logits.shape[1]:  # mostly unmasked: walk the whole row, no sort needed
-        values, ids = logits, torch.arange(logits.shape[1], device=logits.device).expand_as(logits)
+ARGMAX_BLOCK = 256
+
+
+def row_argmax(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(dim=-1) (the first of tied maxima), in two stages over a large vocabulary: the first
+    block holding the row's maximum, then its first maximum (8 x 262144: 0.96 -> 0.10 ms)."""
+    rows, width = x.shape
+    if width % ARGMAX_BLOCK or width < 16 * ARGMAX_BLOCK:
+        return x.argmax(dim=-1)
+    blocks = x.view(rows, width // ARGMAX_BLOCK, ARGMAX_BLOCK)
+    block = blocks.amax(dim=-1).argmax(dim=-1)
+    return block * ARGMAX_BLOCK + blocks[torch.arange(rows, device=x.device), block].argmax(dim=-1)
+
+
+def inverse_cdf(logits: torch.Tensor, u: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
+    """For each row, the token whose interval of the CDF of softmax(logits) holds u in [0, 1): int64 [b].
+    `ids`: the token id of each column when `logits` holds candidates, not the whole vocabulary."""
+    if ids is not None:
+        ids, order = ids.sort(dim=-1)  # token-id order, as over the whole vocabulary
+        values = logits.gather(1, order)
     else:
-        values, ids = torch.topk(logits, max(width, 1), dim=-1)
-        # Walk the candidates in token-id order, as the whole-row walk does: tied logits then
-        # cannot be ordered differently when the batch (and so the candidates' width) changes.
-        ids, order = ids.sort(dim=-1)
-        values = values.gather(1, order)
+        width = int((logits > float("-inf")).sum(dim=-1).max())
+        if 2 * width > logits.shape[1]:  # mostly unmasked: walk the whole row, no sort needed
+            values, ids = logits, torch.arange(logits.shape[1], device=logits.device).expand_as(logits)
+        else:
+            values, ids = torch.topk(logits, max(width, 1), dim=-1)
+            # Walk the candidates in token-id order, as the whole-row walk does: tied logits then
+            # cannot be ordered differently when the batch (and so the candidates' width) changes.
+            ids, order = ids.sort(dim=-1)
+            values = values.gather(1, order)
     top = values.max(dim=-1, keepdim=True).values
     weights = torch.exp(values.double() - top.double())
     cdf = weights.cumsum(dim=-1)

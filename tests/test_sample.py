@@ -12,7 +12,7 @@ from corral.hookspecs import hookimpl
 from corral.options import InvalidOptionError, Options, parse_options
 from corral.plugins.samplers import standard
 from corral.registry import ALLOW_ENV, Plugins
-from corral.sample import SamplerChain, SequenceSampler
+from corral.sample import SamplerChain, SequenceSampler, row_argmax
 
 # Every filter off, temperature 1: the chain is a plain softmax unless a test turns something on.
 NEUTRAL = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "typical_p": 1.0}
@@ -168,6 +168,54 @@ def test_a_seeded_row_draws_the_same_tokens_whatever_else_is_in_the_batch(chain)
     assert batch[0] == alone
 
 
+FILTERED = [{"top_k": 40, "top_p": 0.9, "temperature": 0.8}, {"top_k": 25, "typical_p": 0.7}, {"top_k": 60, "min_p": 0.05}]
+
+
+def whole_vocabulary(chain: SamplerChain, monkeypatch) -> SamplerChain:
+    """`chain` with its candidates path turned off: every step over [b, V]."""
+    monkeypatch.setattr(chain, "_narrows", lambda *_: False)
+    return chain
+
+
+def test_after_top_k_the_chain_runs_on_candidates_with_the_same_results(monkeypatch):
+    logits = torch.randn(3, 4096, generator=torch.Generator().manual_seed(3)) * 3
+    logits[:, 100:110] = logits[:, 99:100]  # ties at the top
+    seqs = lambda: [seq(seed=row, **options) for row, options in enumerate(FILTERED)]  # noqa: E731
+    fast = SamplerChain(standard_plugins())
+    assert fast._candidates(logits, seqs())[1] is not None  # narrowed to candidates
+    slow = whole_vocabulary(SamplerChain(standard_plugins()), monkeypatch)
+    assert torch.equal(fast.process(logits, seqs()), slow.process(logits, seqs()))
+    assert run_draws(fast, logits, seqs(), steps=200) == run_draws(slow, logits, seqs(), steps=200)
+
+
+def test_a_seeded_row_on_candidates_draws_as_in_a_batch_that_walks_whole_rows(chain):
+    logits = torch.randn(3, 4096, generator=torch.Generator().manual_seed(4))
+    alone = run_draws(chain, logits[:1], [seq(**SEEDED)])[0]  # narrowed to 40 candidates
+    batch = run_draws(chain, logits, [seq(**SEEDED), seq(temperature=0.0), seq(top_p=0.5)])  # not narrowed
+    assert batch[0] == alone
+
+
+def test_a_step_that_reads_token_ids_after_top_k_keeps_the_whole_vocabulary():
+    class BanAfterTopK(BanToken):
+        order = 25
+
+    class Plugin:
+        @hookimpl
+        def register_samplers(self, register):
+            register("ban_after", BanAfterTopK)
+
+    plugins = standard_plugins()
+    plugins.register(Plugin(), name="ban_after")
+    chain = SamplerChain(plugins)
+    fields = chain.extra_options
+    logits = torch.randn(1, 4096, generator=torch.Generator().manual_seed(5))
+    best = int(logits.argmax())
+    seqs = [seq(extra_fields=fields, top_k=40, ban_token=best, seed=1)]
+    assert chain._candidates(logits, seqs)[1] is None
+    assert best not in run_draws(chain, logits, seqs, steps=20)[0]
+    assert chain._candidates(logits, [seq(extra_fields=fields, top_k=40)])[1] is not None  # inactive: narrowed
+
+
 @pytest.mark.parametrize(
     ("logits", "options", "expected"),
     [
@@ -180,6 +228,23 @@ def test_draws_follow_the_distribution(chain, logits, options, expected):
     tokens = torch.tensor(chain.sample(torch.tensor([logits] * 4000), seqs).tokens)
     frequencies = torch.bincount(tokens, minlength=len(logits)) / 4000
     assert frequencies.tolist() == pytest.approx(expected, abs=0.03)
+
+
+@pytest.mark.parametrize("vocab", [300, 4096, 262144])
+def test_row_argmax_is_torchs_argmax_first_of_ties_included(vocab):
+    x = torch.randn(5, vocab, generator=torch.Generator().manual_seed(6))
+    x[1, vocab // 3], x[1, vocab // 2] = 50.0, 50.0  # a tie across blocks: the first wins
+    x[2, 7], x[2, 9] = 60.0, 60.0  # a tie inside a block
+    x[3] = 0.0  # all tied
+    assert torch.equal(row_argmax(x), x.argmax(dim=-1))
+
+
+def test_without_logprobs_the_same_tokens_come_without_them(chain):
+    logits = torch.randn(3, 4096, generator=torch.Generator().manual_seed(7))
+    rows = lambda: [seq(temperature=0.0), seq(seed=3, top_k=40), seq(seed=4)]  # noqa: E731
+    full, bare = chain.sample(logits, rows()), chain.sample(logits, rows(), logprobs=False)
+    assert bare.tokens == full.tokens and all(math.isnan(value) for value in bare.logprobs)
+    assert chain.sample(logits, rows(), top_logprobs=[0, 2, 0], logprobs=False).logprobs == full.logprobs
 
 
 # -- logprobs --------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from tiny_gguf import VOCAB_SIZE, write_tensors, write_tiny_llama
 
 from corral.gguf import GGUFFile
+from corral.topk import topk
 from corral.kvcache import CausalCache
 from corral.model import Batch
 from corral.plugins.backends import torch_quant
@@ -467,11 +468,13 @@ def test_fusion_runs_linears_of_one_input_as_one_and_gives_the_same_result():
 
 
 @pytest.mark.parametrize("vocab", [512, 262144])
-def test_top_indices_are_the_rows_k_largest(vocab):
+def test_two_stage_topk_is_torchs(vocab):
     logits = randn(3, vocab, seed=14)
-    got = torch_weights.top_indices(logits, 128)
-    expected = logits.topk(128, dim=-1).indices
-    assert torch.equal(got.sort(dim=-1).values, expected.sort(dim=-1).values)
+    values, ids = topk(logits, 128)
+    expected = logits.topk(128, dim=-1)
+    assert torch.equal(values, expected.values)  # largest first
+    assert torch.equal(logits.gather(1, ids), values)
+    assert torch.equal(ids.sort(dim=-1).values, expected.indices.sort(dim=-1).values)
 
 
 def test_q_and_k_rotate_in_one_rope_call_with_the_same_bits(tmp_path, monkeypatch):

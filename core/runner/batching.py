@@ -56,6 +56,7 @@ class Sequence:
     num_keep: int = 4
     shift: bool = True
     top_logprobs: int = 0
+    logprobs: bool = False  # the client wants the chosen tokens' logprobs
     cached: list[int] = attrs.field(factory=list)  # tokens whose keys are in the cache, in order
     generated: int = 0
     finished: bool = False
@@ -190,7 +191,8 @@ class BatchingActor:
         logits = self.model.backend.run(self.model.model, batch, view)
         if not emitting:  # only prompt chunks: no row to sample (the chain's steps expect at least one)
             return SampleResult([], [], [])
-        return self.chain.sample(logits, [s.sampler for s in emitting], [s.top_logprobs for s in emitting])
+        samplers, logprobs = [s.sampler for s in emitting], any(s.logprobs for s in emitting)
+        return self.chain.sample(logits, samplers, [s.top_logprobs for s in emitting], logprobs=logprobs)
 
     def _update(self, plan: list[tuple[Sequence, int]], emitting: list[Sequence], result: SampleResult) -> None:
         self.stats.steps += 1

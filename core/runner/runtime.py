@@ -295,6 +295,7 @@ class Runtime:
             num_keep=num_keep,
             shift=shift,
             top_logprobs=top_logprobs if logprobs else 0,
+            logprobs=logprobs,
         )
         state["seq"] = seq
         del state["expected"]

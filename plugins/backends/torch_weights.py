@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from corral.plugins.backends import torch_native, torch_quant
+from corral.topk import topk
 
 Runs = Sequence[tuple[int, int]] | None
 
@@ -230,27 +231,6 @@ def _two_levels(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     return torch.cat((q1, q2)).to(torch.int8), s1, s2
 
 
-TOP_BLOCK = 32  # measured best for 49k and 262k vocabularies (71 / 116 us for the top 128)
-
-
-def top_indices(logits: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of each row's k largest values (as a set, in no particular order).
-
-    Over a large vocabulary, in two stages: the k blocks of TOP_BLOCK with the largest maxima hold
-    every value of the top k (a block without one has a maximum below the k-th value), so one topk
-    over the block maxima and one over those blocks' values replace a topk over all of it (0.80 ->
-    0.12 ms for 262144 logits, 0.16 -> 0.07 ms for 49152).
-    """
-    rows, vocab = logits.shape
-    if vocab % TOP_BLOCK or vocab // TOP_BLOCK < 4 * k:
-        return logits.topk(k, dim=-1).indices
-    blocks = logits.view(rows, vocab // TOP_BLOCK, TOP_BLOCK)
-    chosen = blocks.amax(dim=-1).topk(k, dim=-1).indices  # [rows, k]
-    values = blocks.gather(1, chosen[..., None].expand(-1, -1, TOP_BLOCK)).view(rows, -1)
-    best = values.topk(k, dim=-1).indices  # positions among the chosen blocks' values
-    return chosen.gather(1, best // TOP_BLOCK) * TOP_BLOCK + best % TOP_BLOCK
-
-
 def requantized_int4(raw: torch.Tensor, qtype: Any, cols: int) -> Int4Blocks | Int4Weight:
     """A GGUF tensor of any type rounded to int4 groups of 32, a slab of rows at a time: for the
     native kernel where it takes the shape (scales and mins exact in float16), else for torch's."""
@@ -390,7 +370,7 @@ class RescoredLogits:
         logits = self.approximate(x)
         if not len(x):
             return logits
-        top = top_indices(logits, min(RESCORE_TOP, logits.shape[1]))  # [rows, k]
+        top = topk(logits, min(RESCORE_TOP, logits.shape[1]))[1]  # [rows, k]
         weights = self.exact.rows(top).view(*top.shape, self.exact.cols)  # [rows, k, in]
         # A product and a sum over `in` per candidate: the same bits whatever the batch.
         logits.scatter_(1, top, (weights * x.float()[:, None, :]).sum(-1))

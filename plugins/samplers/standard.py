@@ -13,6 +13,7 @@ import torch
 from corral.hookspecs import hookimpl
 from corral.options import Options
 from corral.sample import BatchParams, scatter_candidates, sorted_candidates
+from corral.topk import topk
 
 
 @hookimpl
@@ -71,13 +72,22 @@ class TopK:
     def active(cls, options: Options) -> bool:
         return options.temperature > 0 and options.top_k > 0
 
-    def apply(self, logits: torch.Tensor, params: BatchParams) -> torch.Tensor:
+    @staticmethod
+    def keeps_at_most(params: BatchParams) -> int:
+        return int(params.tensor("top_k").max())
+
+    def candidates(self, logits: torch.Tensor, params: BatchParams) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's top_k largest logits and their token ids, [b, largest k]; -inf past a row's own k."""
         k = params.tensor("top_k")
         width = min(int(k.max()), logits.shape[1])
         # One topk with the batch's largest k; each row keeps its own first k.
-        values, ids = torch.topk(logits, width, dim=-1)
+        values, ids = topk(logits, width)
         keep = torch.arange(width, device=logits.device)[None, :] < k[:, None]
-        return scatter_candidates(logits, ids, values, keep)
+        return values.masked_fill(~keep, float("-inf")), ids
+
+    def apply(self, logits: torch.Tensor, params: BatchParams) -> torch.Tensor:
+        values, ids = self.candidates(logits, params)
+        return torch.full_like(logits, float("-inf")).scatter_(1, ids, values)
 
 
 class Temperature:
@@ -85,6 +95,7 @@ class Temperature:
 
     name = "temperature"
     order = 30
+    by_value = True
     options = {"temperature": (float, 0.8)}
 
     @classmethod
@@ -100,6 +111,7 @@ class TypicalP:
 
     name = "typical_p"
     order = 35
+    by_value = True
     options = {"typical_p": (float, 1.0)}
 
     @classmethod
@@ -124,6 +136,7 @@ class TopP:
 
     name = "top_p"
     order = 40
+    by_value = True
     options = {"top_p": (float, 0.9)}
 
     @classmethod
@@ -144,6 +157,7 @@ class MinP:
 
     name = "min_p"
     order = 50
+    by_value = True
     options = {"min_p": (float, 0.0)}
 
     @classmethod
