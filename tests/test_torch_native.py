@@ -284,7 +284,7 @@ def test_prompt_rows_attend_each_alone_as_a_decode_row_would(dtype):
     query_positions = torch.arange(5, 12)
     mask = (positions[None] <= query_positions[:, None]) & (query_positions[:, None] - positions[None] < 6)
     order = torch.tensor([3, 0, 6, 1, 5, 2, 4])
-    prompt = types.SimpleNamespace(rows=order, start=0, used=12, mask=mask.contiguous())
+    prompt = types.SimpleNamespace(rows=order, start=0, used=12, mask=mask.t().contiguous().t())  # a strided view
     decode = types.SimpleNamespace(rows=slice(7, 8), start=32, used=20, mask=None)
     regions = torch_native.attention_regions([prompt, decode], 8)
     assert regions.array[1, order].tolist() == list(range(6, 13))  # each prompt row reads up to its own cell

@@ -254,12 +254,13 @@ def takes_row_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
 
 
 class Regions:
-    """An `attention_regions` array and its address (numpy's `.ctypes` costs microseconds a call)."""
+    """An `attention_regions` array, its address (numpy's `.ctypes` costs microseconds a call) and
+    the masks its addresses point into (kept alive with it)."""
 
-    __slots__ = ("array", "address")
+    __slots__ = ("array", "address", "masks")
 
-    def __init__(self, array: np.ndarray):
-        self.array, self.address = array, array.ctypes.data
+    def __init__(self, array: np.ndarray, masks: list[torch.Tensor]):
+        self.array, self.address, self.masks = array, array.ctypes.data, masks
 
 
 def attention_regions(groups: list[Any], rows: int, dest: list[int] | None = None) -> Regions:
@@ -267,7 +268,7 @@ def attention_regions(groups: list[Any], rows: int, dest: list[int] | None = Non
     sequence's first cell, the cells it reads (up to its last visible one: a prompt row skips the
     keys after it), the address of its mask row (0: every cell visible), and the cell its new key
     and value go to (`dest`: decode rows only)."""
-    regions = np.zeros((4, rows), dtype=np.int64)
+    regions, masks = np.zeros((4, rows), dtype=np.int64), []
     for group in groups:
         index = group.rows if isinstance(group.rows, slice) else group.rows.cpu().numpy()
         regions[0, index] = group.start
@@ -275,13 +276,15 @@ def attention_regions(groups: list[Any], rows: int, dest: list[int] | None = Non
         mask = group.mask
         if mask is None:
             continue
+        mask = mask if mask.is_contiguous() and mask.dtype == torch.bool else mask.to(torch.bool).contiguous()
+        masks.append(mask)
         count = mask.shape[0]
         if count > 1:  # a masked cell adds an exact 0 to every sum: skipping those after the last visible changes nothing
             regions[1, index] = group.used - mask.flip(1).to(torch.uint8).argmax(1).numpy()
         regions[2, index] = mask.data_ptr() + np.arange(count, dtype=np.int64) * group.used
     if dest is not None:
         regions[3] = dest
-    return Regions(regions)
+    return Regions(regions, masks)
 
 
 def _rows_of_heads(x: torch.Tensor) -> tuple[torch.Tensor, int]:
