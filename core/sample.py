@@ -225,6 +225,9 @@ class SamplerChain:
         return SampleResult(tokens.tolist(), chosen.tolist(), _alternatives(raw, norm, top_logprobs))
 
     def _draw(self, final: torch.Tensor, ids: torch.Tensor | None, seqs: Sequence[SequenceSampler]) -> torch.Tensor:
+        if ids is not None:  # candidates in token-id order: ties resolve as over the whole vocabulary
+            ids, order = ids.sort(dim=-1)
+            final = final.gather(1, order)
         tokens = torch.zeros(len(seqs), dtype=torch.int64, device=final.device)
         greedy = [row for row, seq in enumerate(seqs) if seq.options.temperature == 0]
         if greedy:
@@ -254,10 +257,10 @@ def row_argmax(x: torch.Tensor) -> torch.Tensor:
 
 def inverse_cdf(logits: torch.Tensor, u: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
     """For each row, the token whose interval of the CDF of softmax(logits) holds u in [0, 1): int64 [b].
-    `ids`: the token id of each column when `logits` holds candidates, not the whole vocabulary."""
+    `ids`: the token id of each column, ascending, when `logits` holds candidates, not the whole
+    vocabulary."""
     if ids is not None:
-        ids, order = ids.sort(dim=-1)  # token-id order, as over the whole vocabulary
-        values = logits.gather(1, order)
+        values = logits  # walked in the order of `ids`, which the chain keeps by token id
     else:
         width = int((logits > float("-inf")).sum(dim=-1).max())
         if 2 * width > logits.shape[1]:  # mostly unmasked: walk the whole row, no sort needed
