@@ -5,6 +5,7 @@ import pytest
 
 import corral
 from conftest import reference_logits
+from corral.plugins.backends import torch_native
 
 MODELS = ("smollm2", "gemma3")
 CLEAR_MARGIN = 1.0
@@ -59,6 +60,41 @@ def test_fp32_logits_match_reference_everywhere(loaded, name, index):
     np.testing.assert_allclose(prompt_rows, ref["prompt_top10_logits"], rtol=0, atol=tolerance)
     step_rows = np.take_along_axis(steps, ref["step_top10_ids"], axis=1)
     np.testing.assert_allclose(step_rows, ref["step_top10_logits"], rtol=0, atol=tolerance)
+
+
+@pytest.fixture
+def torch_kernels_only(monkeypatch):
+    """The backend as on a machine without AVX-512 or a C compiler: torch's kernels alone."""
+    monkeypatch.setenv("CORRAL_NATIVE_KERNELS", "0")
+    caches = (torch_native.load, torch_native.function)
+    for cache in caches:
+        cache.cache_clear()
+    saved = dict(torch_native._TAKES_ATTENTION)
+    torch_native._TAKES_ATTENTION.clear()
+    yield
+    monkeypatch.undo()
+    for cache in caches:
+        cache.cache_clear()
+    torch_native._TAKES_ATTENTION.clear()
+    torch_native._TAKES_ATTENTION.update(saved)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_torch_kernels_alone_match_the_reference_at_clear_margin_steps(torch_kernels_only, smollm2_path, gemma3_path, name):
+    model = corral.load_model({"smollm2": smollm2_path, "gemma3": gemma3_path}[name])
+    assert not torch_native.has("int4_blocks_matmul")
+    ref = reference_logits(name, 0)
+    _, steps = teacher_forced(model, ref)
+    top = ref["step_top10_logits"]
+    clear = top[:, 0] - top[:, 1] > CLEAR_MARGIN
+    assert not np.flatnonzero(clear & (steps.argmax(-1) != ref["step_top10_ids"][:, 0])).size
+    ids = list(ref["input_ids"]) + list(ref["greedy_ids"][:4])  # decode rows through torch's kernels too
+    cache = model.new_cache(len(ids))
+    model.forward(corral.model.Batch.single(ids[:-4]), cache)
+    for offset in range(len(ids) - 4, len(ids)):
+        last = model.forward(corral.model.Batch.single([ids[offset]], start=offset), cache)[-1]
+    full = model.logits(ids)[-1]
+    np.testing.assert_allclose(last, full, atol=0.05 * np.abs(full).max())
 
 
 @pytest.mark.parametrize("name", MODELS)
