@@ -21,6 +21,7 @@
 #include "simd.h"
 
 #define ROW_TILE 8
+#define PARALLEL_QUANTIZE_ROWS 32 /* activation rows from which their quantization is split across threads */
 
 /* One activation row -> int16 codes laid out like the unpacked weights (per 64 elements: the
  * first 16 of each block of 32, then the last 16 of each), the row's scale, and each block's sum
@@ -188,6 +189,7 @@ void int4_blocks_matmul(const void *x, int x_bf16, int64_t M, int64_t K, const u
     void *xq = aligned_alloc(64, (size_t)(M * stride * (coarse ? 1 : 2) + 63) / 64 * 64);
     float *xs = malloc((size_t)M * (coarse ? stride / 8 : 1) * sizeof(float)); /* coarse: 16 lanes a chunk */
     float *xsums = malloc((size_t)(M * (K / 32)) * sizeof(float));
+#pragma omp parallel for num_threads(threads) schedule(static) if (M >= PARALLEL_QUANTIZE_ROWS)
     for (int64_t m = 0; m < M; m++) {
         if (coarse)
             quantize_row8(x, x_bf16, m, K, (int8_t *)xq + m * stride, xs + m * (stride / 8), xsums + m * (K / 32));

@@ -12,6 +12,7 @@
 #include "simd.h"
 
 #define ROW_TILE 8
+#define PARALLEL_QUANTIZE_ROWS 32 /* activation rows from which their quantization is split across threads */
 /* Columns summed in int32 lanes before converting: each lane then holds FLUSH / 16 products of
  * at most 127 * 32767, below 2^31. */
 #define FLUSH 2048
@@ -65,6 +66,7 @@ void int8_rows_matmul(const void *x, int x_bf16, int64_t M, int64_t K, const int
         return;
     int16_t *xq = aligned_alloc(64, (size_t)(M * K * sizeof(int16_t) + 63) / 64 * 64);
     float *xs = malloc((size_t)M * sizeof(float));
+#pragma omp parallel for num_threads(threads) schedule(static) if (M >= PARALLEL_QUANTIZE_ROWS)
     for (int64_t m = 0; m < M; m++)
         quantize_row(x, x_bf16, m, K, xq + m * K, xs + m);
 #pragma omp parallel for num_threads(threads) schedule(static)
