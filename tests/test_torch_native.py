@@ -240,7 +240,7 @@ def test_rms_norm_of_heads_and_of_a_mismatched_weight():
         torch_native.rms_norm(randn(2, 32), torch.ones(64), 1e-6)
 
 
-# --- decode attention -------------------------------------------------------------------------------
+# --- row attention ----------------------------------------------------------------------------------
 def reference_attention(q, keys, values, group, scale) -> torch.Tensor:
     cells = slice(group.start, group.start + group.used)
     k, v = keys[:, cells].double()[None], values[:, cells].double()[None]

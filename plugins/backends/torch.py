@@ -8,8 +8,9 @@ CUDA, non-int4 linears are bf16. Precision "fp32" loads everything as float32: t
 The residual stream, norms and rope run in float32. Measurements: BENCHMARKS.md.
 
 Kernels: torch's, plus native C kernels built for this CPU on first use (torch_native.py) where
-torch has none that fits: the 4-bit and int8 matmuls with exact integer products, rms_norm, and
-attention of decode rows. Without a C compiler or AVX-512 the backend runs on torch's alone.
+torch has none that fits: the 4-bit and int8 matmuls with exact integer products, rms_norm, gated
+activations, and attention of every row (prompt or decode) over its own cells. Without a C
+compiler or AVX-512 the backend runs on torch's alone.
 
 Batch invariance: a sequence's output must not depend on what it is batched with. The int and
 native kernels compute every row alone, and attention reads each sequence's own cache region
@@ -19,7 +20,8 @@ prompt runs of the int layouts take their prompt paths (torch_weights.py) chosen
 length.
 
 Graphs are recorded as (function, arguments) nodes (torch_graph.py), rewritten once by the fusion
-pass (torch_fusion.py), reused for later batches of the same shape and run eagerly by `compute()`.
+passes (torch_fusion.py), reused for later batches of the same shape and run eagerly by `compute()`
+(as generated straight-line Python from a graph's second run).
 """
 
 from __future__ import annotations
