@@ -20,8 +20,6 @@
 
 #include "simd.h"
 
-#define ROW_TILE 8
-#define PARALLEL_QUANTIZE_ROWS 32 /* activation rows from which their quantization is split across threads */
 
 /* One activation row -> int16 codes laid out like the unpacked weights (per 64 elements: the
  * first 16 of each block of 32, then the last 16 of each), the row's scale, and each block's sum
@@ -61,7 +59,8 @@ INLINE __m512 min16(const void *mins, int half, int64_t i)
     return _mm512_loadu_ps((const float *)mins + i);
 }
 
-/* Row t's 16 outputs: sum16(acc[t]) times the row's scale, plus the mins times the row's block sums. */
+/* Row t's 16 outputs: sum16(acc[t]) times the row's scale (none when xs is NULL: already applied),
+ * plus the mins times the row's block sums. */
 INLINE void store_rows(__m512 acc[][16], const void *mins, int half, int64_t blocks, const float *xs, const float *xsums,
                        int rows, float *y, int64_t ldy)
 {
@@ -70,7 +69,8 @@ INLINE void store_rows(__m512 acc[][16], const void *mins, int half, int64_t blo
         __m512 m = _mm512_setzero_ps();
         for (int64_t b = 0; b < blocks; b++)
             m = _mm512_fmadd_ps(min16(mins, half, 16 * b), _mm512_set1_ps(xsums[t * blocks + b]), m);
-        _mm512_storeu_ps(y + t * ldy, _mm512_fmadd_ps(sum16(acc[t]), _mm512_set1_ps(xs[t]), m));
+        const __m512 sums = sum16(acc[t]);
+        _mm512_storeu_ps(y + t * ldy, xs ? _mm512_fmadd_ps(sums, _mm512_set1_ps(xs[t]), m) : _mm512_add_ps(sums, m));
     }
 }
 
@@ -171,8 +171,7 @@ INLINE void coarse_group(const uint8_t *codes, const void *scales, const void *m
         for (int t = 0; t < rows; t++)
             acc[t][n] = a[t];
     }
-    static const float ones[ROW_TILE] = {1, 1, 1, 1, 1, 1, 1, 1};
-    store_rows(acc, mins, half, blocks, ones, xsums, rows, y, ldy);
+    store_rows(acc, mins, half, blocks, NULL, xsums, rows, y, ldy); /* the activations' scales are in `acc` */
 }
 
 /* y[M][N] (float) = x[M][K] (float, or bf16 when x_bf16) times the weights' transpose; scales and
@@ -206,7 +205,7 @@ void int4_blocks_matmul(const void *x, int x_bf16, int64_t M, int64_t K, const u
             const int8_t *q8 = (const int8_t *)xq + m * stride;
             const float *qs = xs + m * (coarse ? stride / 8 : 1), *qsums = xsums + m * (K / 32);
             float *out = y + m * N + 16 * g;
-            /* one copy of the loop per mode, scale width and constant row count: accumulators stay in registers */
+            /* one copy of the loop per mode and scale width too */
 #define GROUP(R)                                                                                                      \
     case R:                                                                                                           \
         if (coarse && half)                                                                                           \
@@ -219,7 +218,7 @@ void int4_blocks_matmul(const void *x, int x_bf16, int64_t M, int64_t K, const u
             group(c, s, mn, 0, K, q, qs, qsums, R, out, N);                                                           \
         break;
             switch (rows) {
-                GROUP(1) GROUP(2) GROUP(3) GROUP(4) GROUP(5) GROUP(6) GROUP(7) GROUP(8)
+                EACH_ROW_COUNT(GROUP)
             }
 #undef GROUP
         }

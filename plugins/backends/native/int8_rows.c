@@ -11,8 +11,6 @@
 
 #include "simd.h"
 
-#define ROW_TILE 8
-#define PARALLEL_QUANTIZE_ROWS 32 /* activation rows from which their quantization is split across threads */
 /* Columns summed in int32 lanes before converting: each lane then holds FLUSH / 16 products of
  * at most 127 * 32767, below 2^31. */
 #define FLUSH 2048
@@ -28,8 +26,8 @@ static void quantize_row(const void *x, int bf16, int64_t row, int64_t K, int16_
 }
 
 /* 16 output rows (a group) times up to ROW_TILE activation rows. */
-INLINE void group(const int8_t *codes, const uint16_t *scales, int64_t K, const int16_t *xq, const float *xs,
-                         int rows, float *y, int64_t ldy)
+INLINE void group(const int8_t *codes, const uint16_t *scales, int64_t K, const int16_t *xq, const float *xs, int rows,
+                  float *y, int64_t ldy)
 {
     __m512 acc[ROW_TILE][16];
     for (int n = 0; n < 16; n++) {
@@ -76,13 +74,12 @@ void int8_rows_matmul(const void *x, int x_bf16, int64_t M, int64_t K, const int
             const int8_t *c = codes + 16 * g * K;
             const int16_t *q = xq + m * K;
             float *out = y + m * N + 16 * g;
-            /* one copy of the loop per constant row count: accumulators stay in registers */
 #define GROUP(R)                                                                                                      \
     case R:                                                                                                           \
         group(c, scales + 16 * g, K, q, xs + m, R, out, N);                                                           \
         break;
             switch (rows) {
-                GROUP(1) GROUP(2) GROUP(3) GROUP(4) GROUP(5) GROUP(6) GROUP(7) GROUP(8)
+                EACH_ROW_COUNT(GROUP)
             }
 #undef GROUP
         }

@@ -12,6 +12,14 @@
 
 #define INLINE static inline __attribute__((always_inline))
 
+/* Activation rows a matmul kernel computes per pass over a weight row, and the switch cases that
+ * inline one copy of its loop per constant row count (`switch (rows) { EACH_ROW_COUNT(CASE) }`):
+ * with the count known, the per-row accumulators stay in registers instead of spilling. */
+#define ROW_TILE 8
+#define EACH_ROW_COUNT(CASE) CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
+/* Activation rows from which the kernels quantize them on all threads. */
+#define PARALLEL_QUANTIZE_ROWS 32
+
 /* Lanes of a row of `left` more values (all 16 when 16 or more are left). */
 INLINE __mmask16 lanes_left(int64_t left)
 {
