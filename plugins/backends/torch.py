@@ -187,7 +187,7 @@ class TorchContext(Graph):
         (output,) = fuse_linears(self, (output,), _linear, self.backend.stacked_weight)
         (output,) = fuse_ropes(self, (output,), _rope)
         if self.backend.native("gated"):
-            (output,) = fuse_gates(self, (output,), {F.silu: "silu", _gelu_tanh: "gelu_tanh"}, _gated)
+            (output,) = fuse_gates(self, (output,), {fn: name for name, fn in GATED.items()}, _gated)
         return output
 
     # --- ops -------------------------------------------------------------------------------
@@ -258,11 +258,15 @@ def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
 
+# The activations a fused gate computes (by torch_native.gated's names), as the graph records them.
+GATED = {"silu": F.silu, "gelu_tanh": _gelu_tanh}
+
+
 def _gated(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
     """activation(gate) * up: natively in one pass for float32 rows on the CPU, else torch's two kernels."""
     if gate.dtype == up.dtype == torch.float32 and gate.device.type == "cpu" and gate.dim() == 2 and gate.stride(1) == up.stride(1) == 1:
         return torch_native.gated(gate, up, activation)
-    return (F.silu(gate) if activation == "silu" else _gelu_tanh(gate)) * up
+    return GATED[activation](gate) * up
 
 
 def _linear(x: torch.Tensor, weight: Any, bias: torch.Tensor | None, runs: list[tuple[int, int]] | None) -> torch.Tensor:

@@ -27,7 +27,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Any, lay
     keys, values = cache.keys(layer), cache.values(layer)  # [kv_heads, cells, dim]
     cells = cache.layer_slots(layer)
     groups = cache.layer_groups(layer)
-    gqa = q.shape[1] != k.shape[1]
     if torch_native.takes_row_attention(q, keys, values):
         regions, decode_only = _row_regions(groups, cells, q.shape[0])
         if decode_only:
@@ -38,6 +37,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Any, lay
         return torch_native.row_attention(q, keys, values, regions, scale).reshape(q.shape[0], -1)
     _write_cells(keys, cells, k)
     _write_cells(values, cells, v)
+    gqa = q.shape[1] != k.shape[1]
     # Decode rows of sequences in step share a call; every other sequence gets its own.
     if len(groups) == 1:  # one sequence (batch-1 decode, a lone prompt): no bookkeeping
         (group,) = groups
@@ -97,18 +97,17 @@ def _write_cells(buffer: torch.Tensor, cells: Any, new: torch.Tensor) -> None:
 
 
 def _sequence_attention(
-    queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, group: Any, scale: float, gqa: bool,
-    out_dtype: torch.dtype | None = None,
+    queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, group: Any, scale: float, gqa: bool
 ) -> torch.Tensor:
-    """One sequence's attention [rows, heads, dim], in `out_dtype` (default: the cache's), computed in
-    the queries' dtype: queries [1, heads, rows, dim] over its cells of keys and values [1, kv_heads, cells, dim]."""
+    """One sequence's attention [rows, heads, dim], in the cache's dtype, computed in the queries'
+    dtype: queries [1, heads, rows, dim] over its cells of keys and values [1, kv_heads, cells, dim]."""
     cells = slice(group.start, group.start + group.used)
-    out_dtype = out_dtype or keys.dtype
+    cached = keys.dtype
     keys, values = keys[:, :, cells], values[:, :, cells]
-    if queries.dtype != keys.dtype:
+    if queries.dtype != cached:
         keys, values = keys.to(queries.dtype), values.to(queries.dtype)
     out = _sdpa(queries, keys, values, group.mask, scale, gqa)[0]
-    return out.transpose(0, 1) if out.dtype == out_dtype else out.transpose(0, 1).to(out_dtype)
+    return out.transpose(0, 1) if out.dtype == cached else out.transpose(0, 1).to(cached)
 
 
 def _sdpa(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: Any, scale: float, gqa: bool) -> torch.Tensor:

@@ -112,6 +112,16 @@ def fuse_linears(graph: Graph, outputs: tuple[Node, ...], linear: Callable, stac
     return rewrite.finish(outputs)
 
 
+def _reader_counts(nodes: list[tuple[Callable, tuple]]) -> dict[int, int]:
+    """How many argument places read each node's value."""
+    readers: dict[int, int] = {}
+    for _, args in nodes:
+        for a in args:
+            if type(a) is Node:
+                readers[a.index] = readers.get(a.index, 0) + 1
+    return readers
+
+
 def _split_columns(y: torch.Tensor, widths: list[int]) -> tuple[torch.Tensor, ...]:
     return y.split_with_sizes(widths, dim=-1)  # one call for all parts (Tensor.split adds Python)
 
@@ -124,11 +134,7 @@ def fuse_ropes(graph: Graph, outputs: tuple[Node, ...], rope: Callable) -> tuple
     pairs = _rope_pairs(nodes, rope)
     if not pairs:
         return outputs
-    readers: dict[int, int] = {}
-    for _, args in nodes:
-        for a in args:
-            if type(a) is Node:
-                readers[a.index] = readers.get(a.index, 0) + 1
+    readers = _reader_counts(nodes)
     joint_at: dict[int, tuple] = {}  # first rope -> (joint heads node args, rope args)
     part_of: dict[int, tuple[int, int, int]] = {}  # rope -> (first rope, first head, end head)
     dropped: set[int] = set()
@@ -201,11 +207,7 @@ def fuse_gates(graph: Graph, outputs: tuple[Node, ...], activations: dict[Callab
     """Rewrite `graph` so that mul(act(gate), up), act one of `activations` and read only by the
     product, is one node gated(gate, up, name): one pass over the fused gate/up output."""
     nodes = graph.nodes
-    readers: dict[int, int] = {}
-    for _, args in nodes:
-        for a in args:
-            if type(a) is Node:
-                readers[a.index] = readers.get(a.index, 0) + 1
+    readers = _reader_counts(nodes)
     gates: dict[int, tuple[int, Node, Node, str]] = {}  # mul -> (activation node, gate, up, name)
     for i, (fn, args) in enumerate(nodes):
         if fn is not torch.mul or len(args) != 2 or not all(type(a) is Node for a in args):

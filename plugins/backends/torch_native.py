@@ -1,9 +1,11 @@
 """Native CPU kernels of the torch backend: small C files (native/) compiled for this machine.
 
-They fill two gaps in torch's CPU kernels: no 4-bit matmul with integer arithmetic (torch's int4
-kernel dequantizes every weight to fp32 per group of 4 activation rows), and small composite ops
-(rms_norm) whose several kernels cost more in dispatch than in arithmetic at decode sizes. Like torch.compile's C++ backend, they are built on first use with the system C
-compiler (`$CC`, else `cc`) for this CPU (`-march=native`), cached under
+They fill gaps in torch's CPU kernels: 4-bit and int8 matmuls with exact integer products
+(torch's int4 kernel dequantizes every weight to fp32 per group of 4 activation rows), attention
+of each query row over its own cells (torch's SDPA is built for blocks of queries), and small
+composite ops (rms_norm, gated activations) whose several kernels cost more in dispatch than in
+arithmetic at decode sizes. Like torch.compile's C++ backend, they are built on first use with
+the system C compiler (`$CC`, else `cc`) for this CPU (`-march=native`), cached under
 `$CORRAL_KERNELS` (default `~/.cache/corral/kernels`) by a hash of the source, the compiler and the
 CPU's features, and loaded with ctypes. They run on torch's own OpenMP thread pool: the library
 links `libgomp.so.1`, which resolves to the copy torch has already loaded.
@@ -154,7 +156,7 @@ def int4_blocks_matmul(
 ) -> torch.Tensor:
     """x [rows, in] (float32 or bf16) times the 4-bit weight's transpose -> float32 [rows, out]
     (layout and arithmetic: native/int4_blocks.c; scales and mins both float16 or both float32).
-    `coarse`: int8 activations, about twice as fast at several rows, for ranking candidates."""
+    `coarse`: int8 activations (a scale per 32), 1.1-1.3x as fast at several rows, for ranking candidates."""
     x = _floats(x)
     rows, cols = x.shape
     out = torch.empty((rows, codes.shape[0]), dtype=torch.float32)
