@@ -207,7 +207,7 @@ void int4_blocks_matmul(const void *x, int x_bf16, int64_t M, int64_t K, const u
             float *out = y + m * N + 16 * g;
             /* one copy of the loop per mode and scale width too */
 #define GROUP(R)                                                                                                      \
-    case R:                                                                                                           \
+    do {                                                                                                              \
         if (coarse && half)                                                                                           \
             coarse_group(c, s, mn, 1, K, q8, stride, qs, qsums, R, out, N);                                           \
         else if (coarse)                                                                                              \
@@ -216,10 +216,8 @@ void int4_blocks_matmul(const void *x, int x_bf16, int64_t M, int64_t K, const u
             group(c, s, mn, 1, K, q, qs, qsums, R, out, N);                                                           \
         else                                                                                                          \
             group(c, s, mn, 0, K, q, qs, qsums, R, out, N);                                                           \
-        break;
-            switch (rows) {
-                EACH_ROW_COUNT(GROUP)
-            }
+    } while (0)
+            FOR_ROW_COUNT(rows, GROUP);
 #undef GROUP
         }
     }

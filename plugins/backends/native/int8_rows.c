@@ -74,13 +74,8 @@ void int8_rows_matmul(const void *x, int x_bf16, int64_t M, int64_t K, const int
             const int8_t *c = codes + 16 * g * K;
             const int16_t *q = xq + m * K;
             float *out = y + m * N + 16 * g;
-#define GROUP(R)                                                                                                      \
-    case R:                                                                                                           \
-        group(c, scales + 16 * g, K, q, xs + m, R, out, N);                                                           \
-        break;
-            switch (rows) {
-                EACH_ROW_COUNT(GROUP)
-            }
+#define GROUP(R) group(c, scales + 16 * g, K, q, xs + m, R, out, N)
+            FOR_ROW_COUNT(rows, GROUP);
 #undef GROUP
         }
     }

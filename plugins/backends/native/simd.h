@@ -12,11 +12,21 @@
 
 #define INLINE static inline __attribute__((always_inline))
 
-/* Activation rows a matmul kernel computes per pass over a weight row, and the switch cases that
- * inline one copy of its loop per constant row count (`switch (rows) { EACH_ROW_COUNT(CASE) }`):
- * with the count known, the per-row accumulators stay in registers instead of spilling. */
+/* Activation rows a matmul kernel computes per pass over a weight row. FOR_ROW_COUNT(rows, CALL)
+ * runs CALL(R) with R the constant 1..ROW_TILE equal to `rows`: one inlined copy of a kernel's
+ * loop per row count, whose per-row accumulators then stay in registers instead of spilling. */
 #define ROW_TILE 8
-#define EACH_ROW_COUNT(CASE) CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
+#define FOR_ROW_COUNT(rows, CALL)                                                                                     \
+    switch (rows) {                                                                                                   \
+    case 1: CALL(1); break;                                                                                           \
+    case 2: CALL(2); break;                                                                                           \
+    case 3: CALL(3); break;                                                                                           \
+    case 4: CALL(4); break;                                                                                           \
+    case 5: CALL(5); break;                                                                                           \
+    case 6: CALL(6); break;                                                                                           \
+    case 7: CALL(7); break;                                                                                           \
+    default: CALL(8); break;                                                                                          \
+    }
 /* Activation rows from which the kernels quantize them on all threads. */
 #define PARALLEL_QUANTIZE_ROWS 32
 
