@@ -1,0 +1,54 @@
+"""The install a newcomer runs: the README's two set-up commands, CI running exactly those, every import declared."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import re
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _readme_commands():
+    spec = importlib.util.spec_from_file_location("readme_commands", ROOT / ".ci" / "readme_commands.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.setup_commands((ROOT / "README.md").read_text(encoding="utf-8"))
+
+
+def test_the_readme_has_exactly_two_setup_commands():
+    assert len(_readme_commands()) == 2
+
+
+def test_the_first_command_installs_without_extras_and_runs_smollm2():
+    run = _readme_commands()[0]
+    steps = [step.strip() for step in run.split("&&")]
+    assert "pip install torch==2.13.0" in steps, "the CPU wheel must come first, or pip pulls a CUDA build"
+    assert steps.index("pip install torch==2.13.0") < steps.index("pip install -e .")
+    assert re.fullmatch(r'corral run smollm2 "[^"]+"', steps[-1])
+
+
+def test_the_second_command_installs_the_test_extras_and_runs_the_suite():
+    steps = [step.strip() for step in _readme_commands()[1].split("&&")]
+    assert "pip install torch==2.13.0" in steps
+    assert any(step.startswith('pip install -e ".[test]"') for step in steps)
+    assert steps[-1].startswith("python -m pytest")
+
+
+def test_ci_runs_the_readmes_commands_as_written():
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    assert "readme_commands.py run)" in ci and "readme_commands.py test)" in ci
+    assert 'bash -c "$run_model"' in ci and 'bash -c "$run_tests"' in ci
+    code = [line for line in ci.splitlines() if not line.lstrip().startswith("#")]
+    assert not any("pip install" in line for line in code), "CI installs only through the README's commands"
+
+
+def test_every_runtime_import_is_a_declared_dependency():
+    # deptry reads [tool.deptry] in pyproject.toml: missing, transitive, misplaced and unused dependencies.
+    result = subprocess.run(
+        [sys.executable, "-m", "deptry", "core", "plugins"], cwd=ROOT, capture_output=True, text=True,
+        env={"NO_COLOR": "1", "PATH": "/usr/bin:/bin"},
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
