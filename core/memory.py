@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import sys
 from typing import Any
 
 import attrs
@@ -95,6 +96,19 @@ def _compute(gguf: GGUFFile, arch: str, num_batch: int, num_parallel: int) -> in
     activations = num_batch * (4 * embd + 3 * ffn) * 4
     logits = max(num_parallel, 1) * vocab * 4 * 2
     return activations + logits
+
+
+def resident_bytes() -> int:
+    """This process's resident memory plus what torch holds on the GPU."""
+    try:
+        with open("/proc/self/statm") as f:
+            resident = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        resident = 0
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        resident += sum(torch.cuda.memory_reserved(i) for i in range(torch.cuda.device_count()))
+    return resident
 
 
 def available_bytes() -> int | None:

@@ -26,6 +26,7 @@ from corral.errors import CorralError, ModelNotFoundError
 from corral.modelfile import is_go_template, model_defaults
 from corral.options import LOAD_TIME_OPTIONS
 from corral.registry import Plugins
+from corral.runner.interface import Runner
 from corral.runner.process import RunnerProcess
 from corral.runner.runtime import Runtime
 from corral.store import Store, default_store, parse_name
@@ -92,7 +93,7 @@ class Loaded:
     name: str
     path: Any
     load_options: dict[str, Any]
-    runtime: Runtime | None = None
+    runtime: Runner | None = None  # a Runtime in-process, else a RunnerProcess
     users: int = 0
     keep_alive: float = DEFAULT_KEEP_ALIVE
     expires_at: float | None = None  # wall-clock seconds; None while in use; inf for forever
@@ -189,7 +190,7 @@ class Scheduler:
         wanted = {key: options[key] for key in LOAD_TIME_OPTIONS if options.get(key) is not None}
         async with self._load_lock:
             entry = self.loaded.get(canonical)
-            if entry is not None and not getattr(entry.runtime, "alive", True):
+            if entry is not None and not entry.runtime.alive:
                 entry.unload.set()  # its runner died: load a fresh one below
                 await entry.stopped.wait()
                 entry = None
@@ -247,15 +248,13 @@ class Scheduler:
             async with self._open_runtime(entry.path, entry.load_options, num_ctx, num_batch, template) as runtime:
                 # The runner clamps to the trained context, known only now; this says so when a request asked for more.
                 effective_num_ctx(
-                    entry.load_options.get("num_ctx"), runtime.model.info.context_length, None, self.default_num_ctx,
+                    entry.load_options.get("num_ctx"), runtime.info.context_length, None, self.default_num_ctx,
                     model=entry.name,
                 )
                 entry.runtime = runtime
                 task_status.started()
                 async with trio.open_nursery() as watch:
-                    exited = getattr(runtime, "exited", None)
-                    if exited is not None:  # a runner process that dies unloads itself
-                        watch.start_soon(_set_after, exited, entry.unload)
+                    watch.start_soon(_set_after, runtime.exited, entry.unload)  # a runner that dies unloads itself
                     await entry.unload.wait()
                     watch.cancel_scope.cancel()
         finally:
@@ -263,7 +262,9 @@ class Scheduler:
             if self.loaded.get(entry.name) is entry:
                 del self.loaded[entry.name]
 
-    def _open_runtime(self, path: Any, load_options: dict, num_ctx: int, num_batch: int, template: str | None):
+    def _open_runtime(
+        self, path: Any, load_options: dict, num_ctx: int, num_batch: int, template: str | None
+    ) -> contextlib.AbstractAsyncContextManager[Runner]:
         """The model's runner: a child process by default (a native crash cannot take the server down), or in-process."""
         sizes = dict(num_parallel=self.num_parallel, num_ctx=num_ctx, num_batch=num_batch)
         num_thread = load_options.get("num_thread") or 0

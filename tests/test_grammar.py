@@ -125,7 +125,7 @@ async def test_runtime_refuses_an_unusable_schema_before_generating(smollm2_path
     async with Runtime.open(smollm2_path, num_parallel=1, num_ctx=256) as rt:
         with pytest.raises(InvalidFormatError):
             rt.generate("Hi", {}, format={"type": "nonsense"})
-        assert rt.live_sequences() == 0
+        assert rt.status().live_sequences == 0
 
 
 async def test_grammar_is_the_first_sampler_step(smollm2_path):

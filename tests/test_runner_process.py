@@ -100,7 +100,7 @@ async def test_process_runner_answers_like_the_in_process_runtime(smollm2_path, 
                 remote_chat, _ = await stream.collect()
             ids = await runner.tokenize("Hello, wörld!")
             round_trip = await runner.detokenize(ids)
-            vocab_size = runner.model.tokenizer.vocab_size
+            vocab_size = runner.vocab_size
     monkeypatch.setattr(runtime_module, "load_model", lambda *args, **kwargs: in_process["model"])
     async with Runtime.open(str(smollm2_path), num_parallel=2, num_ctx=1024, num_batch=128) as runtime:
         async with runtime.generate("Why is the sky blue?", greedy) as stream:

@@ -207,7 +207,7 @@ async def test_cancelled_requests_leave_no_sequence_cell_slot_or_task_behind(smo
                 await trio.sleep(0.01)
         [task] = rt._nursery.child_tasks
         assert task.name.endswith("BatchingActor.run")
-        assert rt.live_sequences() == 0
+        assert rt.status().live_sequences == 0
         assert rt.cache.used_cells() == 0
         assert rt.slots.free == num_parallel
 
@@ -555,7 +555,7 @@ async def test_invalid_option_raises_before_any_work(smollm2_path):
         with pytest.raises(InvalidOptionError, match="top_logprobs"):
             async with rt.generate("hi", {"temperature": 0}, logprobs=True, top_logprobs=50):
                 pass
-        assert rt.stats.requests == 0 and rt.live_sequences() == 0
+        assert rt.stats.requests == 0 and rt.status().live_sequences == 0
 
 
 async def test_error_in_a_sequence_reaches_its_reader_and_the_runtime_keeps_serving(smollm2_path):

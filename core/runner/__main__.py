@@ -66,8 +66,10 @@ class RunnerServer:
                 result = await self.runtime.tokenize(args["text"], add_special=args.get("add_special", True))
             elif op == "detokenize":
                 result = await self.runtime.detokenize(args["ids"])
+            elif op == "embed":
+                result = await self.runtime.embed(args["inputs"], truncate=args.get("truncate", True))
             elif op == "status":
-                result = runtime_status(self.runtime)
+                result = self.runtime.status().to_json()
             else:
                 raise ValueError(f"unknown runner call {op!r}")
         except (trio.BrokenResourceError, trio.ClosedResourceError):
@@ -107,36 +109,6 @@ def _quietly() -> contextlib.AbstractContextManager:
     return contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError)
 
 
-def runtime_status(runtime: Runtime) -> dict:
-    """The gauges and counters the server's /metrics and /api/ps read."""
-    return {
-        "num_ctx": runtime.num_ctx,
-        "num_parallel": runtime.num_parallel,
-        "num_batch": runtime.num_batch,
-        "live_sequences": runtime.live_sequences(),
-        "waiting": runtime.slots.waiting,
-        "free_slots": runtime.slots.free,
-        "cache_used_cells": runtime.cache.used_cells(),
-        "cache_cells": [pool.num_cells for pool in runtime.cache.pools],
-        "memory_bytes": memory_bytes(),
-        "batch": attrs.asdict(runtime.batcher.stats),
-        "stats": attrs.asdict(runtime.stats),
-    }
-
-
-def memory_bytes() -> int:
-    """This process's resident memory plus what torch holds on the GPU."""
-    try:
-        with open("/proc/self/statm") as f:
-            resident = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        resident = 0
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_initialized():
-        resident += sum(torch.cuda.memory_reserved(i) for i in range(torch.cuda.device_count()))
-    return resident
-
-
 async def serve(args: argparse.Namespace, template: str | None, handshake: IO[str]) -> int:
     """Load the model, tell the parent where it is served, and serve it until cancelled; 1 if it cannot load."""
     ready = False
@@ -152,10 +124,9 @@ async def serve(args: argparse.Namespace, template: str | None, handshake: IO[st
                 listeners = await nursery.start(functools.partial(trio.serve_tcp, server.handle, 0, host="127.0.0.1"))
                 port = listeners[0].socket.getsockname()[1]
                 _say(handshake, {
-                    "port": port, "pid": os.getpid(), "token": token, "info": attrs.asdict(runtime.model.info),
-                    "vocab_size": runtime.model.tokenizer.vocab_size,
-                    "bos_id": getattr(runtime.model.tokenizer, "bos_id", None),
-                    "status": runtime_status(runtime),
+                    "port": port, "pid": os.getpid(), "token": token, "info": attrs.asdict(runtime.info),
+                    "vocab_size": runtime.vocab_size,
+                    "status": runtime.status().to_json(),
                 })
                 log.info("serving %s on 127.0.0.1:%d", args.model, port)
     except Exception as exc:

@@ -26,12 +26,10 @@ import sys
 import tempfile
 from typing import Any, AsyncIterator
 
-import attrs
 import trio
 
 from corral.engine import ModelInfo
-from corral.runner.batching import BatchStats
-from corral.runner.runtime import RuntimeStats
+from corral.runner.interface import RunnerStatus, Stream
 from corral.runner.stream import Chunk
 from corral.runner.wire import JsonLines, RunnerError, chunk_from_json, error_from_json  # noqa: F401 (RunnerError is re-exported)
 
@@ -85,82 +83,6 @@ def describe_exit(returncode: int | None) -> str:
     return f"exited with code {returncode}"
 
 
-# --- what the server reads ----------------------------------------------------------------------
-@attrs.frozen
-class RunnerTokenizer:
-    """The part of the child's tokenizer the server reads."""
-
-    vocab_size: int
-    bos_id: int | None = None
-
-
-@attrs.frozen
-class RunnerModel:
-    """Stands in for `Runtime.model`: the model's path, info and vocabulary size."""
-
-    path: str
-    info: ModelInfo
-    tokenizer: RunnerTokenizer
-
-
-@attrs.frozen
-class RunnerStatus:
-    """The child runtime's gauges and counters, as of the last health check."""
-
-    num_ctx: int
-    num_parallel: int
-    num_batch: int
-    live_sequences: int = 0
-    waiting: int = 0
-    free_slots: int = 0
-    cache_used_cells: int = 0
-    cache_cells: tuple[int, ...] = ()
-    memory_bytes: int = 0
-    batch: dict = attrs.field(factory=dict)  # BatchStats fields
-    stats: dict = attrs.field(factory=dict)  # RuntimeStats fields
-
-    @classmethod
-    def from_json(cls, data: dict) -> RunnerStatus:
-        names = {field.name for field in attrs.fields(cls)}
-        fields = {key: value for key, value in data.items() if key in names}
-        fields["cache_cells"] = tuple(fields.get("cache_cells", ()))
-        return cls(**fields)
-
-
-@attrs.frozen
-class SlotsView:
-    """Stands in for `Runtime.slots` in /metrics."""
-
-    waiting: int
-    free: int
-
-
-@attrs.frozen
-class BatcherView:
-    """Stands in for `Runtime.batcher` in /metrics."""
-
-    stats: BatchStats
-
-
-@attrs.frozen
-class PoolView:
-    """One KV cache pool's size."""
-
-    num_cells: int
-
-
-@attrs.frozen
-class CacheView:
-    """Stands in for `Runtime.cache` in /metrics."""
-
-    used: int
-    pools: tuple[PoolView, ...]
-
-    def used_cells(self) -> int:
-        """KV cache cells holding a token."""
-        return self.used
-
-
 # --- the parent side ----------------------------------------------------------------------------
 def _write_template(template: str) -> str:
     fd, name = tempfile.mkstemp(prefix="corral-template-", suffix=".jinja")
@@ -175,48 +97,31 @@ def _remove(path: str | None) -> None:
             os.remove(path)
 
 
-class RunnerStream:
-    """The chunks of one generation in the child; raises its error, or RunnerDiedError, after the last chunk."""
+def _stream_receiver(runner: RunnerProcess, lines: JsonLines):
+    """The next chunk of a generation in the child, None after its last; its error, or RunnerDiedError."""
+    done = False
 
-    def __init__(self, runner: RunnerProcess, lines: JsonLines):
-        self._runner = runner
-        self._lines = lines
-        self._done = False
-        self._ended = False
-
-    def __aiter__(self) -> AsyncIterator[Chunk]:
-        return self
-
-    async def __anext__(self) -> Chunk:
-        if self._ended:
-            raise StopAsyncIteration
+    async def receive() -> Chunk | None:
+        nonlocal done
         try:
-            message = await self._lines.receive()
+            message = await lines.receive()
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             message = None
         if message is None:
-            self._ended = True
-            if self._done:
-                raise StopAsyncIteration
-            raise await self._runner._died("during a generation")
+            if done:
+                return None
+            raise await runner._died("during a generation")
         if "error" in message:
-            self._ended = True
             raise error_from_json(message["error"])
         chunk = chunk_from_json(message["chunk"])
-        self._done = self._done or chunk.done
+        done = done or chunk.done
         return chunk
 
-    async def collect(self) -> tuple[str, Chunk]:
-        """All the text and the final chunk."""
-        pieces, last = [], None
-        async for chunk in self:
-            pieces.append(chunk.text)
-            last = chunk
-        return "".join(pieces), last
+    return receive
 
 
 class RunnerProcess:
-    """One model served by a child process, with the interface of `Runtime` that the server uses."""
+    """One model served by a child process: a `Runner`, like the in-process `Runtime`."""
 
     def __init__(self, process: trio.Process, path: str, health_interval: float):
         self.path = path
@@ -224,7 +129,8 @@ class RunnerProcess:
         self.returncode: int | None = None
         self.exited = trio.Event()  # the child is gone: the scheduler should drop this runner
         self.health_interval = health_interval
-        self.model: RunnerModel | None = None
+        self.info: ModelInfo | None = None  # known once the child is ready, as are these two
+        self.vocab_size = 0
         self._process = process
         self._port = 0
         self._token = ""
@@ -320,43 +226,17 @@ class RunnerProcess:
     def num_ctx(self) -> int:
         return self._status.num_ctx
 
-    @property
-    def num_parallel(self) -> int:
-        return self._status.num_parallel
-
-    @property
-    def num_batch(self) -> int:
-        return self._status.num_batch
-
-    @property
     def status(self) -> RunnerStatus:
-        """The child's gauges as of the last health check."""
+        """The child's gauges as of the last health check (or `refresh`)."""
         return self._status
 
-    @property
-    def slots(self) -> SlotsView:
-        return SlotsView(self._status.waiting, self._status.free_slots)
+    async def close(self) -> None:
+        """Stop the child (SIGTERM, then SIGKILL); requests in flight end with RunnerDiedError."""
+        await self._stop()
 
-    @property
-    def batcher(self) -> BatcherView:
-        return BatcherView(BatchStats(**self._status.batch))
-
-    @property
-    def cache(self) -> CacheView:
-        return CacheView(self._status.cache_used_cells, tuple(PoolView(n) for n in self._status.cache_cells))
-
-    @property
-    def stats(self) -> RuntimeStats:
-        """The child runtime's request counters, as of the last health check."""
-        return RuntimeStats(**self._status.stats)
-
-    def live_sequences(self) -> int:
-        """Sequences the child's batching actor was running at the last health check."""
-        return self._status.live_sequences
-
-    def memory_bytes(self) -> int:
-        """The child's resident memory plus its CUDA allocations, at the last health check."""
-        return self._status.memory_bytes
+    async def embed(self, inputs: list[str], truncate: bool = True) -> list[list[float]]:
+        """One embedding per input, computed by the child."""
+        return await self._call("embed", inputs=list(inputs), truncate=truncate)
 
     def generate(
         self,
@@ -370,7 +250,7 @@ class RunnerProcess:
         logprobs: bool = False,
         top_logprobs: int = 0,
         format: str | dict | None = None,
-    ) -> contextlib.AbstractAsyncContextManager[RunnerStream]:
+    ) -> contextlib.AbstractAsyncContextManager[Stream]:
         """Stream the completion of `prompt`, as `Runtime.generate` does."""
         args = dict(prompt=prompt, options=options, raw=raw, system=system, context=context, shift=shift,
                     logprobs=logprobs, top_logprobs=top_logprobs, format=format)
@@ -386,7 +266,7 @@ class RunnerProcess:
         logprobs: bool = False,
         top_logprobs: int = 0,
         format: str | dict | None = None,
-    ) -> contextlib.AbstractAsyncContextManager[RunnerStream]:
+    ) -> contextlib.AbstractAsyncContextManager[Stream]:
         """Stream the assistant's reply to `messages`, as `Runtime.chat` does."""
         args = dict(messages=messages, options=options, tools=tools, shift=shift, logprobs=logprobs,
                     top_logprobs=top_logprobs, format=format)
@@ -429,7 +309,7 @@ class RunnerProcess:
         return reply["result"]
 
     @contextlib.asynccontextmanager
-    async def _stream(self, op: str, args: dict) -> AsyncIterator[RunnerStream]:
+    async def _stream(self, op: str, args: dict) -> AsyncIterator[Stream]:
         lines = await self._connect(f"before a {op} request")
         async with lines.stream:  # leaving closes the connection, which ends the child's sequence
             try:
@@ -441,7 +321,7 @@ class RunnerProcess:
                 raise await self._died(f"before starting a {op} request")
             if "error" in first:
                 raise error_from_json(first["error"])
-            yield RunnerStream(self, lines)
+            yield Stream(_stream_receiver(self, lines))
 
     async def _died(self, what: str) -> RunnerDiedError:
         """The error for a request the child stopped answering: how it ended, and its last words."""
@@ -449,7 +329,7 @@ class RunnerProcess:
             await self.exited.wait()
         with trio.move_on_after(0.5):
             await self._log_done.wait()
-        name = self.model.info.name if self.model else self.path
+        name = self.info.name if self.info else self.path
         if self._hung:
             how = "stopped answering its health checks and was killed"
         elif self.exited.is_set():
@@ -468,9 +348,7 @@ class RunnerProcess:
             pass
         if isinstance(ready, dict) and "port" in ready:
             self._port, self._token = int(ready["port"]), str(ready["token"])
-            self.model = RunnerModel(
-                self.path, ModelInfo(**ready["info"]), RunnerTokenizer(ready["vocab_size"], ready.get("bos_id"))
-            )
+            self.info, self.vocab_size = ModelInfo(**ready["info"]), int(ready["vocab_size"])
             self._status = RunnerStatus.from_json(ready["status"])
             log.info("runner pid %d serves %s on port %d", self.pid, self.path, self._port)
             return
@@ -507,7 +385,7 @@ class RunnerProcess:
     async def _watch_exit(self) -> None:
         self.returncode = await self._process.wait()
         self.exited.set()
-        if not self._stopping and self.model is not None:  # before it was ready, the load error says it
+        if not self._stopping and self.info is not None:  # before it was ready, the load error says it
             log.error("the runner for %s (pid %d) %s", self.path, self.pid, describe_exit(self.returncode))
 
     async def _watch_health(self) -> None:

@@ -12,13 +12,15 @@ before the batching actor's next step.
 from __future__ import annotations
 
 import contextlib
+import enum
 import functools
 from typing import Any, AsyncIterator, Callable
 
 import attrs
 import trio
 
-from corral.engine import LoadedModel, load_model
+from corral import memory
+from corral.engine import LoadedModel, ModelInfo, load_model
 from corral.errors import CorralError
 from corral.grammar import Grammar, GrammarMatcher, compile_format
 from corral.kvcache import CausalCache
@@ -26,6 +28,7 @@ from corral.options import InvalidOptionError, Options, parse_options
 from corral.registry import Plugins
 from corral.runner import compute
 from corral.runner.batching import EVENT_BUFFER, BatchingActor, Sequence
+from corral.runner.interface import EmbeddingsUnsupportedError, RunnerStatus, RuntimeStats, Stream
 from corral.runner.sequence import SequenceActor, truncate_prompt
 from corral.runner.slots import SlotPool
 from corral.runner.stream import Chunk
@@ -36,44 +39,28 @@ class InvalidPromptError(CorralError, ValueError):
     """The prompt is empty, or its context holds token ids outside the model's vocabulary."""
 
 
+class RequestState(enum.Enum):
+    """Where one request is in its life; each moves forward only."""
+
+    PREPARING = "preparing"  # announced to the batching actor; tokenizing, then waiting for a slot
+    RUNNING = "running"  # its sequence is in the batching actor
+    FINISHED = "finished"  # ended on its own (stop, length): its cells stay for prefix reuse
+    RELEASED = "released"  # slot and cells handed back; nothing more happens
+
+
 @attrs.define
-class RuntimeStats:
-    """Request-level counters, including prefix reuse."""
+class Request:
+    """One generation request as the runtime tracks it, from its start to its release."""
 
-    requests: int = 0
-    prompt_tokens: int = 0
-    prompt_tokens_reused: int = 0
-    cache_hits: int = 0
+    state: RequestState = RequestState.PREPARING
+    slot: int | None = None
+    seq: Sequence | None = None
+    error: Exception | None = None
 
-
-class Stream:
-    """The chunks of one generation; raises the request's error, if any, after the last chunk."""
-
-    def __init__(self, channel: trio.MemoryReceiveChannel, state: dict):
-        self._channel = channel
-        self._state = state
-
-    def __aiter__(self) -> AsyncIterator[Chunk]:
-        return self
-
-    async def __anext__(self) -> Chunk:
-        try:
-            chunk = await self._channel.receive()
-        except trio.EndOfChannel:
-            if "error" in self._state:
-                raise self._state.pop("error") from None
-            raise StopAsyncIteration from None
-        if chunk.done:
-            self._state["finished"] = True  # the sequence ended on its own: its cells stay for reuse
-        return chunk
-
-    async def collect(self) -> tuple[str, Chunk]:
-        """All the text and the final chunk."""
-        pieces, last = [], None
-        async for chunk in self:
-            pieces.append(chunk.text)
-            last = chunk
-        return "".join(pieces), last
+    def finish(self) -> None:
+        """The sequence ended on its own."""
+        if self.state is RequestState.RUNNING:
+            self.state = RequestState.FINISHED
 
 
 def new_cache(model: LoadedModel, num_ctx: int, num_parallel: int, num_batch: int) -> CausalCache:
@@ -99,6 +86,7 @@ class Runtime:
         self.batcher = BatchingActor(model, self.cache, self.chain, num_batch)  # steps run on the compute thread, one at a time
         self.slots = SlotPool(num_parallel)
         self.stats = RuntimeStats()
+        self.exited = trio.Event()
         self._nursery = nursery
 
     @classmethod
@@ -134,7 +122,48 @@ class Runtime:
             try:
                 yield runtime
             finally:
+                runtime.exited.set()
                 nursery.cancel_scope.cancel()
+
+    # --- the Runner interface ---------------------------------------------------------------
+    @property
+    def info(self) -> ModelInfo:
+        """What was loaded."""
+        return self.model.info
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.tokenizer.vocab_size
+
+    @property
+    def alive(self) -> bool:
+        """Whether the runtime takes requests (until its block exits or `close`)."""
+        return not self.exited.is_set()
+
+    def status(self) -> RunnerStatus:
+        """The runtime's gauges and counters now."""
+        return RunnerStatus(
+            num_ctx=self.num_ctx,
+            num_parallel=self.num_parallel,
+            num_batch=self.num_batch,
+            live_sequences=len(self.batcher.sequences),
+            waiting=self.slots.waiting,
+            free_slots=self.slots.free,
+            cache_used_cells=self.cache.used_cells(),
+            cache_cells=sum(pool.num_cells for pool in self.cache.pools),
+            memory_bytes=memory.resident_bytes(),
+            batch=attrs.evolve(self.batcher.stats),
+            requests=attrs.evolve(self.stats),
+        )
+
+    async def close(self) -> None:
+        """End every request and the batching actor; the `open` block then exits."""
+        self.exited.set()
+        self._nursery.cancel_scope.cancel()
+
+    async def embed(self, inputs: list[str], truncate: bool = True) -> list[list[float]]:
+        """Embeddings of `inputs`: refused, as no installed architecture pools its hidden states yet."""
+        raise EmbeddingsUnsupportedError(f"{self.info.name} does not support embeddings; use an embedding model")
 
     # --- public API -----------------------------------------------------------------------
     def parse_options(self, options: dict | None) -> Options:
@@ -196,10 +225,6 @@ class Runtime:
         """Text of token ids."""
         return await trio.to_thread.run_sync(self.model.detokenize, ids)
 
-    def live_sequences(self) -> int:
-        """Sequences the batching actor is running now."""
-        return len(self.batcher.sequences)
-
     # --- internals ------------------------------------------------------------------------
     def _num_ctx(self, opts: Options) -> int:
         return min(opts.num_ctx or self.num_ctx, self.num_ctx)
@@ -230,16 +255,29 @@ class Runtime:
             # raised inside the batching actor's step, it would end the runtime
             raise InvalidOptionError(f"top_logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS}, got {top_logprobs!r}")
         send, receive = trio.open_memory_channel(0)
-        state: dict[str, Any] = {"expected": True}
+        request = Request()
         scope = trio.CancelScope()
         self.batcher.expect()
-        self._nursery.start_soon(self._run_sequence, scope, prompt_ids, opts, shift, logprobs, top_logprobs, grammar, send, state)
+        self._nursery.start_soon(self._run_sequence, scope, prompt_ids, opts, shift, logprobs, top_logprobs, grammar, send, request)
         try:
             async with receive:
-                yield Stream(receive, state)
+                yield Stream(functools.partial(self._next_chunk, receive, request))
         finally:
             scope.cancel()
-            self._release(state, finished=state.get("finished", False))
+            self._release(request)
+
+    @staticmethod
+    async def _next_chunk(channel: trio.MemoryReceiveChannel, request: Request) -> Chunk | None:
+        try:
+            chunk = await channel.receive()
+        except trio.EndOfChannel:
+            if request.error is not None:
+                error, request.error = request.error, None
+                raise error from None
+            return None
+        if chunk.done:
+            request.finish()
+        return chunk
 
     async def _run_sequence(
         self,
@@ -251,20 +289,20 @@ class Runtime:
         top_logprobs: int,
         grammar: Grammar | None,
         out: trio.MemorySendChannel,
-        state: dict,
+        request: Request,
     ) -> None:
         with scope:
             async with out:
                 try:
-                    await self._sequence(prompt_ids, opts, shift, logprobs, top_logprobs, grammar, out, state)
+                    await self._sequence(prompt_ids, opts, shift, logprobs, top_logprobs, grammar, out, request)
                 except Exception as exc:  # reported to this request's reader, never to the runtime
-                    state["error"] = exc
+                    request.error = exc
                 finally:
-                    if state.pop("expected", False):
+                    if request.state is RequestState.PREPARING:
                         self.batcher.arrived()  # failed before its sequence was added
-                    self._release(state, finished=state.get("finished", False))
+                    self._release(request)
 
-    async def _sequence(self, prompt_ids, opts: Options, shift, logprobs, top_logprobs, grammar, out, state) -> None:
+    async def _sequence(self, prompt_ids, opts: Options, shift, logprobs, top_logprobs, grammar, out, request: Request) -> None:
         num_ctx = self._num_ctx(opts)
         ids = await trio.to_thread.run_sync(prompt_ids)
         # The model's first constrained request builds its llguidance tokenizer: off the event loop.
@@ -278,7 +316,7 @@ class Runtime:
         ids = truncate_prompt(ids, num_ctx, num_keep)
         num_predict, shift = (-1, False) if opts.num_predict == -2 else (opts.num_predict, shift)  # -2: fill the context
         slot, reused = await self.slots.acquire(ids, self._reusable)
-        state["slot"] = slot
+        request.slot = slot
         self.cache.remove(slot, reused)
         self._count(ids, reused)
         events_send, events_receive = trio.open_memory_channel(EVENT_BUFFER + 2)
@@ -297,14 +335,14 @@ class Runtime:
             top_logprobs=top_logprobs if logprobs else 0,
             logprobs=logprobs,
         )
-        state["seq"] = seq
-        del state["expected"]
+        request.seq, request.state = seq, RequestState.RUNNING
         self.batcher.arrived()
         self.batcher.add(seq)
         actor = SequenceActor(seq, self.model.tokenizer, opts.stop, reused, logprobs, resume=self.batcher.wake)
         async with events_receive:
             await actor.run(events_receive, out)
-        state["finished"] = actor.done_reason is not None
+        if actor.done_reason is not None:
+            request.finish()
 
     def _reusable(self, slot: int, tokens: list[int], prompt: list[int]) -> int:
         """How many leading prompt tokens `slot`'s cached tokens can serve (at least one must be computed)."""
@@ -324,12 +362,13 @@ class Runtime:
         self.stats.prompt_tokens_reused += reused
         self.stats.cache_hits += reused > 0
 
-    def _release(self, state: dict, finished: bool) -> None:
+    def _release(self, request: Request) -> None:
         # Idempotent: runs from the actor's finally and from the reader's exit, whichever is first.
-        if state.get("released") or "slot" not in state:
+        if request.state is RequestState.RELEASED or request.slot is None:
             return
-        state["released"] = True
-        slot, seq = state["slot"], state.get("seq")
+        finished = request.state is RequestState.FINISHED
+        request.state = RequestState.RELEASED
+        slot, seq = request.slot, request.seq
         if seq is not None:
             self.batcher.remove(seq, keep_cells=finished)
         if not finished:

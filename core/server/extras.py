@@ -48,7 +48,7 @@ async def detokenize():
     if not all(isinstance(token, int) and not isinstance(token, bool) for token in tokens):
         raise ApiError(400, "tokens must be a list of integer token ids")
     async with state().scheduler.use(name, {}, body.get("keep_alive")) as loaded:
-        vocab_size = loaded.runtime.model.tokenizer.vocab_size
+        vocab_size = loaded.runtime.vocab_size
         outside = [token for token in tokens if not 0 <= token < vocab_size]
         if outside:
             raise ApiError(400, f"token id {outside[0]} is outside the vocabulary of {vocab_size} tokens")

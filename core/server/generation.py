@@ -14,6 +14,7 @@ import attrs
 import trio
 
 from corral.modelfile import ModelDefaults, model_defaults
+from corral.runner.interface import Runner
 from corral.runner.stream import Chunk
 from corral.server.state import state
 
@@ -22,7 +23,7 @@ from corral.server.state import state
 class Prepared:
     """What a handler's `start` callback gets: the runtime, merged options and the model's defaults."""
 
-    runtime: Any
+    runtime: Runner
     options: dict
     defaults: ModelDefaults
 

@@ -40,14 +40,15 @@ class SchedulerCollector(Collector):
             yield GaugeMetricFamily(name, help_text)
 
     def collect(self) -> Iterator[Metric]:
-        runtimes = [entry.runtime for entry in list(self.scheduler.loaded.values()) if entry.runtime is not None]
+        loaded = list(self.scheduler.loaded.values())
+        statuses = [entry.runtime.status() for entry in loaded if entry.runtime is not None]
         values = {
-            "corral_models_loaded": len(self.scheduler.loaded),
-            "corral_queue_depth": sum(rt.slots.waiting for rt in runtimes),
-            "corral_running_sequences": sum(rt.live_sequences() for rt in runtimes),
-            "corral_batch_size": sum(rt.batcher.stats.last_batch_size for rt in runtimes),
-            "corral_kv_cache_used_cells": sum(rt.cache.used_cells() for rt in runtimes),
-            "corral_kv_cache_cells": sum(pool.num_cells for rt in runtimes for pool in rt.cache.pools),
+            "corral_models_loaded": len(loaded),
+            "corral_queue_depth": sum(status.waiting for status in statuses),
+            "corral_running_sequences": sum(status.live_sequences for status in statuses),
+            "corral_batch_size": sum(status.batch.last_batch_size for status in statuses),
+            "corral_kv_cache_used_cells": sum(status.cache_used_cells for status in statuses),
+            "corral_kv_cache_cells": sum(status.cache_cells for status in statuses),
         }
         for name, help_text in self._HELP.items():
             yield GaugeMetricFamily(name, help_text, value=values[name])

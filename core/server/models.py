@@ -116,7 +116,7 @@ async def ps():
             size=size,
             size_vram=size if system_info().gpus else 0,  # runners use the GPU whenever one is present
             expires_at=loaded.expires_at_datetime.isoformat().replace("+00:00", "Z"),
-            context_length=loaded.runtime.num_ctx,
+            context_length=loaded.runtime.status().num_ctx,
         )
         models.append(entry)
     return {"models": models}
