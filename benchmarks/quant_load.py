@@ -19,7 +19,7 @@ import gguf
 import numpy as np
 import torch
 
-from corral.plugins.backends import torch_quant
+from corral.plugins.backends.torch import dequantize as torch_quant
 
 INT4 = set(torch_quant.INT4_CODERS)
 

@@ -5,7 +5,7 @@ import pytest
 
 import corral
 from conftest import reference_logits
-from corral.plugins.backends import torch_native
+from corral.plugins.backends.torch import native as torch_native
 
 MODELS = ("smollm2", "gemma3")
 CLEAR_MARGIN = 1.0

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from corral.errors import UnsupportedTensorTypeError
-from corral.plugins.backends import torch_quant
+from corral.plugins.backends.torch import dequantize as torch_quant
 
 Q = gguf.GGMLQuantizationType
 

@@ -14,15 +14,15 @@ from corral.gguf import GGUFFile
 from corral.topk import topk
 from corral.kvcache import CausalCache
 from corral.model import Batch
-from corral.plugins.backends import torch_quant
-from corral.plugins.backends import torch as torch_backend
-from corral.plugins.backends import torch_attention, torch_native
-from corral.plugins.backends import torch_weights
+from corral.plugins.backends.torch import dequantize as torch_quant
+from corral.plugins.backends.torch import backend as torch_backend
+from corral.plugins.backends.torch import attention as torch_attention, native as torch_native
+from corral.plugins.backends.torch import layouts as torch_weights
 from corral.plugins.backends.torch import TorchBackend
-from corral.plugins.backends import torch_fusion
-from corral.plugins.backends.torch_fusion import stack_weights
-from corral.plugins.backends.torch_graph import Graph, Slot, sequence_runs
-from corral.plugins.backends.torch_weights import (
+from corral.plugins.backends.torch import fusion as torch_fusion
+from corral.plugins.backends.torch.fusion import stack_weights
+from corral.plugins.backends.torch.graph import Graph, Slot, sequence_runs
+from corral.plugins.backends.torch.layouts import (
     LONG_RUN_ROWS, RESCORE_TOP, DenseWeight, Int4Blocks, Int4Weight, Int8Weight, MappedRows, RescoredLogits, int8_matmul,
     requantized_int4,
 )

@@ -38,21 +38,16 @@ from gguf import GGMLQuantizationType as Q
 from corral.errors import UnsupportedTensorTypeError
 from corral.gguf import GGUFFile, TensorInfo
 from corral.model import Batch
-from corral.hookspecs import hookimpl
-from corral.plugins.backends import torch_native, torch_quant
-from corral.plugins.backends.torch_attention import attention
-from corral.plugins.backends.torch_fusion import fuse_gates, fuse_linears, fuse_ropes, stack_weights
-from corral.plugins.backends.torch_graph import Graph, GraphCache, Node, Slot
-from corral.plugins.backends.torch_weights import DenseWeight, Int4Blocks, Int4Weight, Int8Weight, MappedRows, RescoredLogits, requantized_int4
+from corral.plugins.backends.torch import dequantize as torch_quant
+from corral.plugins.backends.torch import native as torch_native
+from corral.plugins.backends.torch.attention import attention
+from corral.plugins.backends.torch.fusion import fuse_gates, fuse_linears, fuse_ropes, stack_weights
+from corral.plugins.backends.torch.graph import Graph, GraphCache, Node, Slot
+from corral.plugins.backends.torch.layouts import DenseWeight, Int4Blocks, Int4Weight, Int8Weight, MappedRows, RescoredLogits, requantized_int4
 
 INT4_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q4_K})
 FLOAT_TYPES = frozenset({Q.F32, Q.F16, Q.BF16})
 PRECISIONS = ("auto", "fp32")
-
-
-@hookimpl
-def register_backends(register):
-    register("torch", TorchBackend)
 
 
 def _raw_tensor(gguf: GGUFFile, info: TensorInfo) -> torch.Tensor:

@@ -31,7 +31,8 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from corral.plugins.backends import torch_native, torch_quant
+from corral.plugins.backends.torch import dequantize as torch_quant
+from corral.plugins.backends.torch import native as torch_native
 from corral.topk import topk
 
 Runs = Sequence[tuple[int, int]] | None
