@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from corral.plugins.backends.torch import native as torch_native
+from corral.plugins.backends.torch import native
 
 # Query rows of one sequence from which its attention runs in float32 (see _compute_dtype).
 FLOAT_ATTENTION_ROWS = 32
@@ -27,14 +27,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Any, lay
     keys, values = cache.keys(layer), cache.values(layer)  # [kv_heads, cells, dim]
     cells = cache.layer_slots(layer)
     groups = cache.layer_groups(layer)
-    if torch_native.takes_row_attention(q, keys, values):
+    if native.takes_row_attention(q, keys, values):
         regions, decode_only = _row_regions(groups, cells, q.shape[0])
         if decode_only:
             # Decode rows only: the kernel stores their keys and values itself (one call, not three).
-            return torch_native.row_attention(q, keys, values, regions, scale, (k, v)).reshape(q.shape[0], -1)
+            return native.row_attention(q, keys, values, regions, scale, (k, v)).reshape(q.shape[0], -1)
         _write_cells(keys, cells, k)
         _write_cells(values, cells, v)
-        return torch_native.row_attention(q, keys, values, regions, scale).reshape(q.shape[0], -1)
+        return native.row_attention(q, keys, values, regions, scale).reshape(q.shape[0], -1)
     _write_cells(keys, cells, k)
     _write_cells(values, cells, v)
     gqa = q.shape[1] != k.shape[1]
@@ -77,7 +77,7 @@ def _row_regions(groups: list[Any], cells: Any, rows: int) -> tuple[Any, bool]:
     dest = None
     if decode_only:
         dest = list(range(cells.start, cells.start + rows)) if isinstance(cells, slice) else cells.tolist()
-    entry = (torch_native.attention_regions(groups, rows, dest), decode_only)
+    entry = (native.attention_regions(groups, rows, dest), decode_only)
     _last_regions[:] = [groups, cells, entry]
     return entry
 

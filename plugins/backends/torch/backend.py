@@ -1,48 +1,23 @@
-"""The PyTorch backend: CPU and CUDA.
-
-Weights (precision "auto", CPU; layouts in torch_weights.py): Q4_0/Q4_1/Q4_K linears stay 4-bit
-(the native kernel's blocks, else torch's packed int4 layout); other quantized linears become int8
-per row; float files stay float32; the logits come from a 4-bit copy with each row's best
-candidates recomputed exactly from the file; embeddings are read from the file's memory map. On
-CUDA, non-int4 linears are bf16. Precision "fp32" loads everything as float32: the reference mode.
-The residual stream, norms and rope run in float32. Measurements: BENCHMARKS.md.
-
-Kernels: torch's, plus native C kernels built for this CPU on first use (torch_native.py) where
-torch has none that fits: the 4-bit and int8 matmuls with exact integer products, rms_norm, gated
-activations, and attention of every row (prompt or decode) over its own cells. Without a C
-compiler or AVX-512 the backend runs on torch's alone.
-
-Batch invariance: a sequence's output must not depend on what it is batched with. The int and
-native kernels compute every row alone, and attention reads each sequence's own cache region
-(torch_attention.py); BLAS does not (it picks its algorithm by the row count), so a float linear
-runs each sequence's prompt chunk as its own call and single rows in chunks of 2..8, and long
-prompt runs of the int layouts take their prompt paths (torch_weights.py) chosen by the run's own
-length.
-
-Graphs are recorded as (function, arguments) nodes (torch_graph.py), rewritten once by the fusion
-passes (torch_fusion.py), reused for later batches of the same shape and run eagerly by `compute()`
-(as generated straight-line Python from a graph's second run).
-"""
+"""The torch backend: GGUF tensors loaded into the layouts of layouts.py, contexts created, graphs run."""
 
 from __future__ import annotations
 
-import operator
 import warnings
 from typing import Any, Sequence
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 
 from corral.errors import UnsupportedTensorTypeError
 from corral.gguf import GGUFFile, TensorInfo
 from corral.model import Batch
-from corral.plugins.backends.torch import dequantize as torch_quant
-from corral.plugins.backends.torch import native as torch_native
-from corral.plugins.backends.torch.attention import attention
-from corral.plugins.backends.torch.fusion import fuse_gates, fuse_linears, fuse_ropes, stack_weights
-from corral.plugins.backends.torch.graph import Graph, GraphCache, Node, Slot
+from corral.plugins.backends.torch import native
+from corral.plugins.backends.torch.context import TorchContext
+from corral.plugins.backends.torch.dequantize import DEQUANTIZERS, INT4_GROUP, dequantize, int4_blocks
+from corral.plugins.backends.torch.fusion import stack_weights
+from corral.plugins.backends.torch.graph import GraphCache
+from corral.plugins.backends.torch.int4_packing import pack_int4_for_cpu, pack_int4_for_cuda
 from corral.plugins.backends.torch.layouts import DenseWeight, Int4Blocks, Int4Weight, Int8Weight, MappedRows, RescoredLogits, requantized_int4
 
 INT4_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q4_K})
@@ -58,7 +33,7 @@ def _raw_tensor(gguf: GGUFFile, info: TensorInfo) -> torch.Tensor:
 
 
 class TorchBackend:
-    """Loads GGUF tensors into torch layouts (torch_weights.py) and runs recorded graphs."""
+    """Loads GGUF tensors into torch layouts (layouts.py) and runs recorded graphs."""
 
     name = "torch"
 
@@ -76,20 +51,20 @@ class TorchBackend:
 
     def load_tensor(self, gguf: GGUFFile, info: TensorInfo, role: str) -> Any:
         """Convert one GGUF tensor for `role` ("linear", "logits", "embedding" or "vector")."""
-        if info.qtype not in torch_quant.DEQUANTIZERS:
+        if info.qtype not in DEQUANTIZERS:
             raise UnsupportedTensorTypeError(
                 f"{gguf.path}: tensor '{info.name}' has type {getattr(info.qtype, 'name', info.qtype)}, which the "
-                f"torch backend cannot load (it loads {', '.join(t.name for t in torch_quant.DEQUANTIZERS)})"
+                f"torch backend cannot load (it loads {', '.join(t.name for t in DEQUANTIZERS)})"
             )
         raw = _raw_tensor(gguf, info)
         cols = info.shape[-1]
         cpu = self.device.type == "cpu"
         if role == "vector":
-            return torch_quant.dequantize(raw, info.qtype, cols).reshape(info.shape).to(self.device)
+            return dequantize(raw, info.qtype, cols).reshape(info.shape).to(self.device)
         if role == "embedding" and cpu:
             return MappedRows(raw, info.qtype, cols)
         if role == "linear" and self._keeps_int4(info):
-            codes, scales, mins = torch_quant.int4_blocks(raw, info.qtype, cols)
+            codes, scales, mins = int4_blocks(raw, info.qtype, cols)
             return self._pack_int4(codes, scales, mins, MappedRows(raw, info.qtype, cols) if cpu else None)
         if self._keeps_int8(info) and cpu:
             if role == "logits":
@@ -103,7 +78,7 @@ class TorchBackend:
         # A tied embedding is bound as "embedding" and as "logits": one dense copy serves both.
         key = f"{info.name}:{dtype}"
         if key not in self._dense:
-            self._dense[key] = torch_quant.dequantize(raw, info.qtype, info.shape[-1], dtype=dtype).reshape(info.shape).to(self.device)
+            self._dense[key] = dequantize(raw, info.qtype, info.shape[-1], dtype=dtype).reshape(info.shape).to(self.device)
         return self._dense[key]
 
     def _keeps_int4(self, info: TensorInfo) -> bool:
@@ -111,11 +86,11 @@ class TorchBackend:
             return False
         # The packed kernels tile output rows by 16 on CPU and 8 on CUDA; others are dequantized.
         rows_multiple = 8 if self.device.type == "cuda" else 16
-        return info.shape[0] % rows_multiple == 0 and info.shape[1] % torch_quant.INT4_GROUP == 0
+        return info.shape[0] % rows_multiple == 0 and info.shape[1] % INT4_GROUP == 0
 
     def _approximate_logits(self, raw: torch.Tensor, info: TensorInfo) -> Int4Weight | Int8Weight:
         rows, cols = info.shape
-        if rows % 16 == 0 and cols % torch_quant.INT4_GROUP == 0:  # the CPU int4 kernel's shapes
+        if rows % 16 == 0 and cols % INT4_GROUP == 0:  # the CPU int4 kernel's shapes
             return requantized_int4(raw, info.qtype, cols)
         return Int8Weight.from_gguf(raw, info.qtype, cols)
 
@@ -130,9 +105,9 @@ class TorchBackend:
             return Int4Blocks.from_codes(codes, scales, mins)
         zeros = mins + 8 * scales
         if self.device.type == "cuda":
-            packed, sz = torch_quant.pack_int4_for_cuda(codes.to(self.device), scales.to(self.device), zeros.to(self.device))
+            packed, sz = pack_int4_for_cuda(codes.to(self.device), scales.to(self.device), zeros.to(self.device))
         else:
-            packed, sz = torch_quant.pack_int4_for_cpu(codes, scales, zeros)
+            packed, sz = pack_int4_for_cpu(codes, scales, zeros)
         return Int4Weight(packed, sz, out_features, in_features, source)
 
     def stacked_weight(self, weights: list[Any]) -> Any | None:
@@ -143,8 +118,8 @@ class TorchBackend:
         return self._stacked[key][0]
 
     def native(self, name: str) -> bool:
-        """Whether the native CPU kernel `name` (torch_native.py) serves this backend."""
-        return self.device.type == "cpu" and torch_native.has(name)
+        """Whether the native CPU kernel `name` (native.py) serves this backend."""
+        return self.device.type == "cpu" and native.has(name)
 
     def set_threads(self, count: int) -> None:
         """Compute threads for CPU kernels (torch's setting is process-wide)."""
@@ -168,139 +143,3 @@ class TorchBackend:
 
     def weight_bytes(self, weight: Any) -> int:
         return weight.nbytes
-
-
-class TorchContext(Graph):
-    """Records the ops of ml.Context as graph nodes; `compute()` runs them."""
-
-    def __init__(self, backend: TorchBackend, batch: Batch | None = None, view: Any = None):
-        super().__init__(batch, view)
-        self.backend = backend
-        self._rope_tables: dict[tuple, Node] = {}
-
-    def optimize(self, output: Node) -> Node:
-        (output,) = fuse_linears(self, (output,), _linear, self.backend.stacked_weight)
-        (output,) = fuse_ropes(self, (output,), _rope)
-        if self.backend.native("gated"):
-            (output,) = fuse_gates(self, (output,), {fn: name for name, fn in GATED.items()}, _gated)
-        return output
-
-    # --- ops -------------------------------------------------------------------------------
-    def input(self, values: np.ndarray) -> Node:
-        slot = self.batch_slot(values)
-        return self.record(self._input, slot if slot is not None else values)
-
-    def _input(self, values: np.ndarray) -> torch.Tensor:
-        return self.backend.from_numpy(np.asarray(values, dtype=np.int64))
-
-    def embedding(self, weight: Any, ids: Node) -> Node:
-        if isinstance(weight, MappedRows):
-            return self.record(MappedRows.rows, weight, ids)
-        return self.record(lambda w, i: F.embedding(i, w).float(), weight, ids)
-
-    def linear(self, x: Node, weight: Any, bias: Any = None) -> Node:
-        return self.record(_linear, x, weight, bias, Slot("runs") if self.batch is not None else None)
-
-    def rms_norm(self, x: Node, weight: torch.Tensor, eps: float) -> Node:
-        if self.backend.native("rms_norm") and weight.dtype == torch.float32 and weight.is_contiguous():
-            return self.record(torch_native.rms_norm, x, weight, eps)
-        return self.record(lambda t, w: F.rms_norm(t.float(), (t.shape[-1],), w, eps), x, weight)
-
-    def layer_norm(self, x: Node, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> Node:
-        return self.record(lambda t, w, b: F.layer_norm(t.float(), (t.shape[-1],), w, b, eps), x, weight, bias)
-
-    def rope(self, x: Node, positions: Node, *, dims: int, base: float, scale: float = 1.0, neox: bool) -> Node:
-        # Every layer rotates by the same positions: build each cos/sin table once per graph.
-        key = (positions.index, dims, base, scale, neox)
-        if key not in self._rope_tables:
-            self._rope_tables[key] = self.record(_rope_table, positions, dims, base, scale, neox)
-        return self.record(_rope, x, self._rope_tables[key], dims, neox)
-
-    def attention(self, q: Node, k: Node, v: Node, cache: Any, layer: int, scale: float) -> Node:
-        if cache is not self.view:
-            self.replayable = False
-        return self.record(attention, q, k, v, Slot("view") if cache is self.view else cache, layer, scale)
-
-    def cached_keys(self, keys: Any, cells: Node) -> Node:
-        return self.record(_cached_keys, keys, cells)
-
-    def store_keys(self, keys: Any, cells: Node, new: Node) -> Node:
-        return self.record(_store_keys, keys, cells, new)
-
-    def reshape(self, x: Node, shape: Sequence[int]) -> Node:
-        return self.record(torch.reshape, x, tuple(shape))
-
-    def rows(self, x: Node, indices: Node) -> Node:
-        return self.record(torch.index_select, x, 0, indices)
-
-    def split(self, x: Node, sizes: Sequence[int], dim: int = -1) -> tuple[Node, ...]:
-        parts = self.record(torch.split, x, list(sizes), dim)
-        return tuple(self.record(operator.getitem, parts, i) for i in range(len(sizes)))
-
-    def scale(self, x: Node, factor: float) -> Node:
-        return self.record(torch.mul, x, factor)
-
-    def silu(self, x: Node) -> Node:
-        return self.record(F.silu, x)
-
-    def gelu(self, x: Node, approximate: str = "tanh") -> Node:
-        if approximate == "tanh":
-            return self.record(_gelu_tanh, x)
-        return self.record(lambda t: F.gelu(t, approximate=approximate), x)
-
-
-def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
-    return F.gelu(x, approximate="tanh")
-
-
-# The activations a fused gate computes (by torch_native.gated's names), as the graph records them.
-GATED = {"silu": F.silu, "gelu_tanh": _gelu_tanh}
-
-
-def _gated(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
-    """activation(gate) * up: natively in one pass for float32 rows on the CPU, else torch's two kernels."""
-    if gate.dtype == up.dtype == torch.float32 and gate.device.type == "cpu" and gate.dim() == 2 and gate.stride(1) == up.stride(1) == 1:
-        return torch_native.gated(gate, up, activation)
-    return GATED[activation](gate) * up
-
-
-def _linear(x: torch.Tensor, weight: Any, bias: torch.Tensor | None, runs: list[tuple[int, int]] | None) -> torch.Tensor:
-    y = weight.matmul(x, runs)
-    return y if bias is None else y + bias
-
-
-def _rope_table(positions: torch.Tensor, dims: int, base: float, scale: float, neox: bool) -> Any:
-    """The rotation of each position, laid out like the features it turns: for adjacent pairs, the
-    complex unit e^(i angle) [n, 1, dims/2]; for halves, cos and signed sin [n, 1, dims]."""
-    inv_freq = 1.0 / (base ** (torch.arange(0, dims, 2, device=positions.device, dtype=torch.float32) / dims))
-    angles = (positions.float() * scale)[:, None] * inv_freq[None, :]  # [n, dims/2]
-    if not neox:
-        return torch.polar(torch.ones_like(angles), angles)[:, None, :]
-    cos, sin = angles.cos(), angles.sin()
-    return torch.cat((cos, cos), -1)[:, None, :], torch.cat((-sin, sin), -1)[:, None, :]
-
-
-def _rope(x: torch.Tensor, table: Any, dims: int, neox: bool) -> torch.Tensor:
-    # x: [n, heads, head_dim]; only the first `dims` features rotate. Adjacent pairs (a, b) are the
-    # complex number a + ib, turned by one complex product; halves rotate as x * cos +
-    # swapped(x) * signed sin, three kernels.
-    partial = dims < x.shape[-1]
-    rot = x[..., :dims] if partial else x
-    if neox:
-        cos, sin = table
-        out = torch.addcmul(rot * cos, rot.roll(dims // 2, dims=-1), sin)
-    else:
-        pairs = rot.float().unflatten(-1, (dims // 2, 2))
-        if pairs.storage_offset() % 2:  # a complex view needs pairs aligned to their size
-            pairs = pairs.contiguous()
-        out = torch.view_as_real(torch.view_as_complex(pairs) * table).flatten(-2)
-    return torch.cat((out, x[..., dims:].float()), dim=-1) if partial else out
-
-
-def _cached_keys(keys: torch.Tensor, cells: torch.Tensor) -> torch.Tensor:
-    return keys.index_select(1, cells).transpose(0, 1).float()
-
-
-def _store_keys(keys: torch.Tensor, cells: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-    keys.index_copy_(1, cells, new.transpose(0, 1).to(keys.dtype))
-    return keys
