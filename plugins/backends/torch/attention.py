@@ -21,14 +21,52 @@ from corral.plugins.backends.torch import native
 FLOAT_ATTENTION_ROWS = 32
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Any, layer: int, scale: float) -> torch.Tensor:
+class AttentionMemo:
+    """What the attention ops of one graph keep from call to call: whether the native kernel takes
+    each shape (fixed for a model), and the last step's regions: every layer of a pool shares its
+    groups and cells, so they are built once per step, not once per layer (the references kept
+    make the identity test sound)."""
+
+    __slots__ = ("takes", "groups", "cells", "regions")
+
+    def __init__(self) -> None:
+        self.takes: dict[tuple, bool] = {}
+        self.groups = self.cells = self.regions = None
+
+    def takes_row_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
+        """native.takes_row_attention, once per shape."""
+        key = (q.shape[1:], keys.shape, keys.dtype, keys.device.type, values.shape, values.dtype)
+        takes = self.takes.get(key)
+        if takes is None:
+            takes = self.takes[key] = native.takes_row_attention(q, keys, values)
+        return takes
+
+    def row_regions(self, groups: list[Any], cells: Any, rows: int) -> tuple[Any, bool]:
+        """The native kernel's regions of every row, and whether the rows are all decode rows in
+        order (then each row's new key and value go to its cell inside the call)."""
+        if self.groups is groups and self.cells is cells:
+            return self.regions
+        decode_only = all(_row_count(group.rows) == 1 for group in groups) and _in_row_order(groups, rows)
+        dest = None
+        if decode_only:
+            dest = list(range(cells.start, cells.start + rows)) if isinstance(cells, slice) else cells.tolist()
+        self.groups, self.cells = groups, cells
+        self.regions = (native.attention_regions(groups, rows, dest), decode_only)
+        return self.regions
+
+
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Any, layer: int, scale: float, memo: AttentionMemo | None = None
+) -> torch.Tensor:
     """Store the batch's k/v [n, kv_heads, dim] in its cells of `layer`, then each row's attention
-    over its sequence's cells: [n, heads * dim] in the cache's dtype."""
+    over its sequence's cells: [n, heads * dim] in the cache's dtype. `memo`: the graph's (see AttentionMemo)."""
     keys, values = cache.keys(layer), cache.values(layer)  # [kv_heads, cells, dim]
     cells = cache.layer_slots(layer)
     groups = cache.layer_groups(layer)
-    if native.takes_row_attention(q, keys, values):
-        regions, decode_only = _row_regions(groups, cells, q.shape[0])
+    if memo is None:
+        memo = AttentionMemo()
+    if memo.takes_row_attention(q, keys, values):
+        regions, decode_only = memo.row_regions(groups, cells, q.shape[0])
         if decode_only:
             # Decode rows only: the kernel stores their keys and values itself (one call, not three).
             return native.row_attention(q, keys, values, regions, scale, (k, v)).reshape(q.shape[0], -1)
@@ -61,25 +99,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Any, lay
         for group, result in zip(groups, attended):
             out[group.rows] = result
     return out.reshape(q.shape[0], -1)
-
-
-# The last batch's regions: every layer of a pool shares its groups and cells, so they are built
-# once per step, not once per layer (the references kept make the identity test sound).
-_last_regions: list[Any] = [None, None, None]
-
-
-def _row_regions(groups: list[Any], cells: Any, rows: int) -> tuple[Any, bool]:
-    """The native kernel's regions of every row, and whether the rows are all decode rows in order
-    (then each row's new key and value go to its cell inside the call)."""
-    if _last_regions[0] is groups and _last_regions[1] is cells:
-        return _last_regions[2]
-    decode_only = all(_row_count(group.rows) == 1 for group in groups) and _in_row_order(groups, rows)
-    dest = None
-    if decode_only:
-        dest = list(range(cells.start, cells.start + rows)) if isinstance(cells, slice) else cells.tolist()
-    entry = (native.attention_regions(groups, rows, dest), decode_only)
-    _last_regions[:] = [groups, cells, entry]
-    return entry
 
 
 def _compute_dtype(rows: int, cached: torch.dtype) -> torch.dtype:

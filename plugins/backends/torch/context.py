@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from corral.model import Batch
 from corral.plugins.backends.torch import native
-from corral.plugins.backends.torch.attention import attention
+from corral.plugins.backends.torch.attention import AttentionMemo, attention
 from corral.plugins.backends.torch.fusion import fuse_gates, fuse_linears, fuse_ropes
 from corral.plugins.backends.torch.graph import Graph, Node, Slot
 from corral.plugins.backends.torch.layouts import MappedRows
@@ -27,6 +27,7 @@ class TorchContext(Graph):
         super().__init__(batch, view)
         self.backend = backend
         self._rope_tables: dict[tuple, Node] = {}
+        self._attention = AttentionMemo()
 
     def optimize(self, output: Node) -> Node:
         (output,) = fuse_linears(self, (output,), _linear, self.backend.stacked_weight)
@@ -69,7 +70,7 @@ class TorchContext(Graph):
     def attention(self, q: Node, k: Node, v: Node, cache: Any, layer: int, scale: float) -> Node:
         if cache is not self.view:
             self.replayable = False
-        return self.record(attention, q, k, v, Slot("view") if cache is self.view else cache, layer, scale)
+        return self.record(attention, q, k, v, Slot("view") if cache is self.view else cache, layer, scale, self._attention)
 
     def cached_keys(self, keys: Any, cells: Node) -> Node:
         return self.record(_cached_keys, keys, cells)

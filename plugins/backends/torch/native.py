@@ -238,21 +238,15 @@ def gated(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor
     return out
 
 
-_TAKES_ATTENTION: dict[tuple, bool] = {}
-
-
 def takes_row_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
     """Whether the native attention kernel takes these shapes and dtypes (fixed for a model)."""
-    key = (q.shape[1:], keys.shape, keys.dtype, keys.device.type, values.shape, values.dtype)
-    if key not in _TAKES_ATTENTION:
-        heads, kv_heads = q.shape[1], keys.shape[0]
-        _TAKES_ATTENTION[key] = (
-            keys.device.type == "cpu" and keys.dtype == values.dtype and keys.dtype in (torch.bfloat16, torch.float32)
-            and q.shape[-1] % 16 == 0 and values.shape[-1] % 16 == 0 and heads % kv_heads == 0
-            and heads // kv_heads <= MAX_HEAD_GROUP and keys.is_contiguous() and values.is_contiguous()
-            and has("row_attention")
-        )  # fmt: skip
-    return _TAKES_ATTENTION[key]
+    heads, kv_heads = q.shape[1], keys.shape[0]
+    return (
+        keys.device.type == "cpu" and keys.dtype == values.dtype and keys.dtype in (torch.bfloat16, torch.float32)
+        and q.shape[-1] % 16 == 0 and values.shape[-1] % 16 == 0 and heads % kv_heads == 0
+        and heads // kv_heads <= MAX_HEAD_GROUP and keys.is_contiguous() and values.is_contiguous()
+        and has("row_attention")
+    )  # fmt: skip
 
 
 class Regions:
