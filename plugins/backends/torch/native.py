@@ -110,6 +110,20 @@ def load(name: str) -> ctypes.CDLL | None:
 
 
 _i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+
+
+class RowAttentionArgs(ctypes.Structure):
+    """native/row_attention.c's `struct row_attention_args`, field for field."""
+
+    _fields_ = [
+        ("q", _ptr), ("rows", _i64), ("heads", _i64), ("kv_heads", _i64), ("key_dim", _i64), ("value_dim", _i64),
+        ("keys", _ptr), ("values", _ptr), ("cells", _i64), ("bf16", _int),
+        ("starts", _ptr), ("used", _ptr), ("masks", _ptr), ("dest", _ptr),
+        ("new_keys", _ptr), ("new_values", _ptr), ("key_stride", _i64), ("value_stride", _i64),
+        ("scale", ctypes.c_float), ("out", _ptr), ("threads", _int),
+    ]  # fmt: skip
+
+
 # function -> (source file, argument types)
 SIGNATURES = {
     "int4_blocks_matmul": ("int4_blocks", (_ptr, _int, _i64, _i64, _ptr, _ptr, _ptr, _int, _i64, _ptr, _int, _int)),
@@ -118,11 +132,7 @@ SIGNATURES = {
     "int8_two_level_out": ("int8_rows", (_ptr, _ptr, _ptr, _i64, _i64, _ptr, _int)),
     "rms_norm": ("rms_norm", (_ptr, _int, _i64, _i64, _ptr, ctypes.c_float, _ptr, _int)),
     "gated": ("gated", (_ptr, _i64, _ptr, _i64, _i64, _i64, _int, _ptr, _int)),
-    "row_attention": (
-        "row_attention",
-        (_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _int, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _ptr,
-         ctypes.c_float, _ptr, _int),
-    ),
+    "row_attention": ("row_attention", (ctypes.POINTER(RowAttentionArgs),)),
 }
 RESTYPES = {"row_attention": ctypes.c_int}
 MAX_HEAD_GROUP = 16  # query heads per kv head the attention kernel takes
@@ -308,12 +318,14 @@ def row_attention(
     key_stride = value_stride = 0
     if new is not None:
         (k, key_stride), (v, value_stride) = _rows_of_heads(new[0]), _rows_of_heads(new[1])
-    failed = function("row_attention")(
-        q.data_ptr(), rows, heads, kv_heads, key_dim, value_dim, keys.data_ptr(), values.data_ptr(),
-        keys.dtype is torch.bfloat16, cells, address, address + step, address + 2 * step,
-        None if k is None else k.data_ptr(), None if v is None else v.data_ptr(), key_stride, value_stride,
-        None if k is None else address + 3 * step, scale, out.data_ptr(), torch.get_num_threads(),
+    args = RowAttentionArgs(
+        q=q.data_ptr(), rows=rows, heads=heads, kv_heads=kv_heads, key_dim=key_dim, value_dim=value_dim,
+        keys=keys.data_ptr(), values=values.data_ptr(), cells=cells, bf16=keys.dtype is torch.bfloat16,
+        starts=address, used=address + step, masks=address + 2 * step, dest=None if k is None else address + 3 * step,
+        new_keys=None if k is None else k.data_ptr(), new_values=None if v is None else v.data_ptr(),
+        key_stride=key_stride, value_stride=value_stride, scale=scale, out=out.data_ptr(), threads=torch.get_num_threads(),
     )  # fmt: skip
+    failed = function("row_attention")(ctypes.byref(args))
     if failed:
         raise MemoryError("native attention could not allocate its scores")
     return out
