@@ -102,8 +102,9 @@ def attention(
 
 
 def _compute_dtype(rows: int, cached: torch.dtype) -> torch.dtype:
-    """float32 for a prompt run of FLOAT_ATTENTION_ROWS rows or more (the CPU kernel is ~1.8x faster
-    there than in bf16), else the cache's dtype: chosen by the sequence's own rows."""
+    """float32 for a prompt run of FLOAT_ATTENTION_ROWS rows or more (the CPU kernel is faster there
+    than in bf16; measured: BENCHMARKS.md, Measurements behind code decisions), else the cache's
+    dtype: chosen by the sequence's own rows."""
     return torch.float32 if rows >= FLOAT_ATTENTION_ROWS else cached
 
 
@@ -132,8 +133,8 @@ def _sequence_attention(
 def _sdpa(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: Any, scale: float, gqa: bool) -> torch.Tensor:
     """SDPA of queries [b, heads, rows, dim] over [b, kv_heads, cells, dim]. A single query row's
     heads that share a kv head are passed as rows of that head instead: the same products, but
-    torch's grouped-query path in bf16 measured 5x slower (284 vs 52 us for 9 heads over 512 cells
-    on an AMD EPYC; it copies the keys per head)."""
+    torch's grouped-query path in bf16 is much slower (it copies the keys per head;
+    measured: BENCHMARKS.md, Measurements behind code decisions)."""
     batch, heads, rows, dim = queries.shape
     if not gqa or rows != 1:
         return F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa)
@@ -146,7 +147,8 @@ def _decode_batches(groups: list[Any]) -> list[list[int]]:
     """Decode rows of sequences that read as many cells, all of them (no mask): one call for each
     such set of two or more. Sequences that advance in step (several samples of one prompt,
     prompts of one length) meet this every step; reading whole buckets of cells with a mask
-    instead would batch any lengths, but measured ~10% slower at batch 1."""
+    instead would batch any lengths, but is slower at batch 1
+    (measured: BENCHMARKS.md, Measurements behind code decisions)."""
     batches: dict[int, list[int]] = {}
     for i, group in enumerate(groups):
         if group.mask is None and isinstance(group.rows, slice) and group.rows.stop - group.rows.start == 1:

@@ -71,7 +71,8 @@ def _k_low_nibbles(qs: torch.Tensor) -> torch.Tensor:
 
 
 # One function per format: blocks [n_blocks, type_size] -> float32 [n_blocks, block_size]. They work
-# in place on one float32 buffer: a fresh allocation per op cost more than the arithmetic (Q8_0 9x).
+# in place on one float32 buffer: a fresh allocation per op cost more than the arithmetic
+# (measured: BENCHMARKS.md, Measurements behind code decisions).
 
 
 def _f32(blocks: torch.Tensor) -> torch.Tensor:
@@ -184,7 +185,8 @@ def dequantize(raw: torch.Tensor, qtype: Q, cols: int, dtype: torch.dtype = torc
         )
     blocks = _blocks(raw, qtype)
     out = torch.empty(blocks.shape[0], gguf.GGML_QUANT_SIZES[qtype][0], dtype=dtype)
-    # Slabs keep the float32 intermediates in cache: 2-3x faster than whole-tensor ops on big tensors.
+    # Slabs keep the float32 intermediates in cache: faster than whole-tensor ops on big tensors
+    # (measured: BENCHMARKS.md, Measurements behind code decisions).
     step = max(1, SLAB_ELEMENTS // out.shape[1])
     for start in range(0, blocks.shape[0], step):
         out[start : start + step] = convert(blocks[start : start + step])

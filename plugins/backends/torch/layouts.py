@@ -42,8 +42,9 @@ Runs = Sequence[tuple[int, int]] | None
 # measured bit-identical for any chunk size (one row alone would take the gemv path).
 SINGLES_CHUNK = 8
 # A run of at least this many rows of one sequence (a prompt chunk) takes a layout's prompt path
-# (float32 BLAS on the file's weights for int4, int8 x int8 products for int8): the decode kernels
-# cost ~14 us a row for 1536x576 whatever the batch, the prompt paths 1.4-6 us from 64 rows on.
+# (float32 BLAS on the file's weights for int4, int8 x int8 products for int8): a row costs the
+# decode kernels the same whatever the batch, the prompt paths far less from 64 rows on
+# (measured: BENCHMARKS.md, Measurements behind code decisions).
 LONG_RUN_ROWS = 32
 # Logits recomputed exactly per row: more than the default top_k (40), so top-k sampling draws from
 # exact values; of the true top 40, the 4-bit copy's top 128 missed none on the reference prompts.
@@ -115,7 +116,8 @@ class Int4Weight:
         group = INT4_GROUP
         if xb.device.type == "cuda":
             return torch._weight_int4pack_mm(xb, self.packed, group, self.scales_and_zeros)
-        # torch's direct bindings: 1.4 us a call less than torch.ops.aten's Python dispatch
+        # torch's direct bindings: less overhead a call than torch.ops.aten's Python dispatch
+        # (measured: BENCHMARKS.md, Measurements behind code decisions)
         return torch._weight_int4pack_mm_for_cpu(xb, self.packed, group, self.scales_and_zeros)
 
 
@@ -129,8 +131,8 @@ class Int4Blocks:
     """A linear weight kept 4-bit for the native kernel (native/int4_blocks.c): codes in ggml's
     nibble order, a scale and min per group of 32 (float16 where exact, else float32), int16
     activations, float32 out. Every row, prompt or decode, goes through the kernel: it computes
-    each row alone, and at 512 rows it is faster than float32 BLAS on the dequantized weight
-    (4.5 vs 5.3 ms for 1536x576, before BLAS's dequantization)."""
+    each row alone, and at 512 rows it is faster than float32 BLAS on the dequantized weight, even
+    before BLAS's dequantization (measured: BENCHMARKS.md, Measurements behind code decisions)."""
 
     codes: torch.Tensor  # uint8 [out, in // 2]
     scales: torch.Tensor  # [out, in // 32]
@@ -185,7 +187,7 @@ class Int4Blocks:
         return native.int4_blocks_matmul(x, self.codes, self.scales, self.mins)
 
     def coarse(self, x: torch.Tensor) -> torch.Tensor:
-        """Products with int8 activations (a scale per 32): for ranking candidates, 1.1-1.3x as fast."""
+        """Products with int8 activations (a scale per 32): faster, for ranking candidates."""
         return native.int4_blocks_matmul(x, self.codes, self.scales, self.mins, coarse=True)
 
 
@@ -214,7 +216,8 @@ def _long_runs(x: torch.Tensor, runs: Runs, kernel: Any, long_kernel: Any, dtype
 
 def int8_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """x [rows, in] times (codes [out, in] int8 * scales [out])^T, float32, through `torch._int_mm`
-    (int8 x int8 -> int32 with VNNI, ~4x float32 BLAS's rate at 512 rows).
+    (int8 x int8 -> int32 with VNNI, well above float32 BLAS's rate at 512 rows;
+    measured: BENCHMARKS.md, Measurements behind code decisions).
 
     Each row of x is quantized in two levels, x ~ s1 * q1 + s2 * q2, the second rounding what the
     first left over: the activation error is ~1/32000 of the row's largest value (bf16 rounding
@@ -338,7 +341,8 @@ class Int8Weight:
         return _long_runs(x, runs, self._kernel, self._int8_rows, dtype)
 
     def _int8_rows(self, runs: list[torch.Tensor]) -> list[torch.Tensor]:
-        # Prompt chunks: int8 x int8 products, ~2.5x faster than dequantizing for float32 BLAS.
+        # Prompt chunks: int8 x int8 products, faster than dequantizing for float32 BLAS
+        # (measured: BENCHMARKS.md, Measurements behind code decisions).
         # Exact integer products of rows quantized alone: all runs in one call, the same bits.
         matmul = native.int8_prompt_matmul if native.takes_int8_rows(self.codes) else int8_matmul
         if len(runs) == 1:

@@ -166,7 +166,8 @@ def int4_blocks_matmul(
 ) -> torch.Tensor:
     """x [rows, in] (float32 or bf16) times the 4-bit weight's transpose -> float32 [rows, out]
     (layout and arithmetic: native/int4_blocks.c; scales and mins both float16 or both float32).
-    `coarse`: int8 activations (a scale per 32), 1.1-1.3x as fast at several rows, for ranking candidates."""
+    `coarse`: int8 activations (a scale per 32), faster at several rows, for ranking candidates
+    (measured: BENCHMARKS.md, Measurements behind code decisions)."""
     x = _floats(x)
     rows, cols = x.shape
     out = torch.empty((rows, codes.shape[0]), dtype=torch.float32)
@@ -260,8 +261,9 @@ def takes_row_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
 
 
 class Regions:
-    """An `attention_regions` array, its address (numpy's `.ctypes` costs microseconds a call) and
-    the masks its addresses point into (kept alive with it)."""
+    """An `attention_regions` array, its address (numpy's `.ctypes` is slow to read at every call;
+    measured: BENCHMARKS.md, Measurements behind code decisions) and the masks its addresses
+    point into (kept alive with it)."""
 
     __slots__ = ("array", "address", "masks")
 

@@ -1,9 +1,9 @@
 /* Attention of query rows over their sequences' cached keys, each row on its own, AVX-512.
  *
- * torch's CPU SDPA costs ~95 us for one row of 9 heads over 512 bf16 cells in a decode step (its
- * flash kernel is built for blocks of queries); this reads each cached row once per kv head and
- * takes ~15 us. A prompt's rows go through the same code, each reading only the cells up to its
- * last visible one (half of a causal square): 512 rows of smollm2 in 2.6 ms, SDPA 4.4-5.4 ms.
+ * torch's CPU SDPA is slow for one query row in a decode step (its flash kernel is built for
+ * blocks of queries); this reads each cached row once per kv head. A prompt's rows go through the
+ * same code, each reading only the cells up to its last visible one (half of a causal square),
+ * faster than SDPA there too (measured: BENCHMARKS.md, Measurements behind code decisions).
  * Each (row, query head) is computed alone, in float32, in a fixed order: a row's result does not
  * depend on the other rows, their lengths or the thread count.
  *
