@@ -96,6 +96,8 @@ def _build(name: str) -> Path | None:
     return target
 
 
+# Process-wide memos, and rightly so: a library loaded with ctypes stays mapped until the process
+# exits, so the process is the lifetime of `load`'s and `function`'s answers.
 @functools.cache
 def load(name: str) -> ctypes.CDLL | None:
     """The compiled library `native/<name>.c`, or None where it cannot be built here."""
