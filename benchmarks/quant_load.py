@@ -19,7 +19,7 @@ import gguf
 import numpy as np
 import torch
 
-from corral.plugins.backends import torch_quant
+from corral.plugins.backends.torch import dequantize as torch_quant, int4_packing
 
 INT4 = set(torch_quant.INT4_CODERS)
 
@@ -40,7 +40,7 @@ def raw_tensors(path: str) -> list[tuple[str, gguf.GGMLQuantizationType, int, to
 
 def load(qtype: gguf.GGMLQuantizationType, cols: int, raw: torch.Tensor) -> object:
     if qtype in INT4 and raw.shape[0] % 16 == 0:
-        return torch_quant.pack_int4_for_cpu(*torch_quant.int4_codes(raw, qtype, cols))
+        return int4_packing.pack_int4_for_cpu(*torch_quant.int4_codes(raw, qtype, cols))
     return torch_quant.dequantize(raw, qtype, cols, torch.bfloat16)
 
 
@@ -90,7 +90,7 @@ def int4_errors(tensors, batch: int = 8) -> None:
             record(qtype, label, (err.abs().max() / ref.abs().max()).item(), (err.norm() / ref.norm()).item())
 
         for dtype in (torch.bfloat16, torch.float16, torch.float32):
-            packed, sz = torch_quant.pack_int4_for_cpu(codes, scales, zeros, dtype)
+            packed, sz = int4_packing.pack_int4_for_cpu(codes, scales, zeros, dtype)
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(dtype), packed, 32, sz)
             compare(f"int4 kernel, x and sz {str(dtype)[6:]}", y)
         compare("dense bf16 W (baseline)", x @ w.to(torch.bfloat16).T)

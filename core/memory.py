@@ -142,7 +142,8 @@ def reuse_large_buffers() -> None:
 
     With glibc's dynamic thresholds, whether a step's freed buffers are unmapped (and the next
     step faults all their pages in again) depends on the order of earlier frees: a third of the
-    processes page-faulted ~900 MB in every 512-token gemma3 prefill (0.80 s instead of 0.56 s).
+    processes page-faulted their buffers in again in every prefill, a much slower step
+    (measured: BENCHMARKS.md, Measurements behind code decisions).
     Fixed thresholds (big buffers from the heap, its top trimmed only past 128 MB) make every
     process take the fast path. Memory freed at load time is still handed back by
     `release_freed_memory`.

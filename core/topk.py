@@ -2,15 +2,18 @@
 
 The k blocks of BLOCK values with the largest maxima hold every value of a row's top k (a block
 without one has a maximum below the k-th value), so one topk over the block maxima and one over
-those blocks' values replace a topk over the whole row: for 262144 logits and k = 128, 0.80 ->
-0.12 ms a row. Used for the logits' exact candidates and by the sampler's top-k.
+those blocks' values replace a topk over the whole row, much faster for a large vocabulary
+(measured: BENCHMARKS.md, Measurements behind code decisions). Used for the logits' exact
+candidates and by the sampler's top-k.
 """
 
 from __future__ import annotations
 
 import torch
 
-BLOCK = 32  # measured best for 49k and 262k vocabularies (71 / 116 us for the top 128)
+# The fastest block for 49k and 262k vocabularies
+# (measured: BENCHMARKS.md, Measurements behind code decisions).
+BLOCK = 32
 
 
 def topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,7 +5,7 @@ import pytest
 
 import corral
 from conftest import reference_logits
-from corral.plugins.backends import torch_native
+from corral.plugins.backends.torch import native as torch_native
 
 MODELS = ("smollm2", "gemma3")
 CLEAR_MARGIN = 1.0
@@ -69,14 +69,10 @@ def torch_kernels_only(monkeypatch):
     caches = (torch_native.load, torch_native.function)
     for cache in caches:
         cache.cache_clear()
-    saved = dict(torch_native._TAKES_ATTENTION)
-    torch_native._TAKES_ATTENTION.clear()
     yield
     monkeypatch.undo()
     for cache in caches:
         cache.cache_clear()
-    torch_native._TAKES_ATTENTION.clear()
-    torch_native._TAKES_ATTENTION.update(saved)
 
 
 @pytest.mark.parametrize("name", MODELS)

@@ -16,11 +16,11 @@ import torch
 import torch.nn.functional as F
 from test_torch_quant import INT4, cols_of, random_raw, reference
 
-from corral.plugins.backends import torch as torch_backend
-from corral.plugins.backends import torch_attention, torch_native, torch_quant
+from corral.plugins.backends.torch import context as torch_backend
+from corral.plugins.backends.torch import attention as torch_attention, dequantize as torch_quant, native as torch_native
 from corral.plugins.backends.torch import TorchBackend
-from corral.plugins.backends.torch_fusion import stack_weights
-from corral.plugins.backends.torch_weights import Int4Blocks, Int4Weight, Int8Weight, requantized_int4
+from corral.plugins.backends.torch.fusion import stack_weights
+from corral.plugins.backends.torch.layouts import Int4Blocks, Int4Weight, Int8Weight, requantized_int4
 
 Q = gguf.GGMLQuantizationType
 
@@ -73,7 +73,7 @@ def test_disabled_native_kernels_leave_torchs_layouts(fresh_native, monkeypatch)
 
 def test_a_failing_compiler_falls_back_to_torch_with_a_warning(fresh_native, monkeypatch, caplog):
     monkeypatch.setenv("CC", "false")  # exits 1 whatever it is given
-    with caplog.at_level(logging.WARNING, logger="corral.plugins.backends.torch_native"):
+    with caplog.at_level(logging.WARNING, logger="corral.plugins.backends.torch.native"):
         assert torch_native.function("rms_norm") is None
     assert "not built" in caplog.text
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from corral.errors import UnsupportedTensorTypeError
-from corral.plugins.backends import torch_quant
+from corral.plugins.backends.torch import dequantize as torch_quant, int4_packing
 
 Q = gguf.GGMLQuantizationType
 
@@ -115,7 +115,7 @@ def test_int4_codes_of_a_type_without_an_int4_form_raise():
 
 def test_pack_int4_for_cpu_builds_the_kernel_layout():
     raw = torch.from_numpy(random_raw(Q.Q4_1, rows=32, blocks_per_row=3))
-    packed, scales_and_zeros = torch_quant.pack_int4_for_cpu(*torch_quant.int4_codes(raw, Q.Q4_1, 96))
+    packed, scales_and_zeros = int4_packing.pack_int4_for_cpu(*torch_quant.int4_codes(raw, Q.Q4_1, 96))
     assert packed.dtype == torch.uint8 and packed.shape == (32, 48)
     assert scales_and_zeros.dtype == torch.bfloat16 and scales_and_zeros.shape == (3, 32, 2)
     assert scales_and_zeros.is_contiguous()
@@ -128,7 +128,7 @@ def test_pack_int4_for_cpu_builds_the_kernel_layout():
 def test_cpu_int4_matmul_equals_matmul_with_dequantized_weights(qtype, dtype, tolerance):
     raw = random_raw(qtype, rows=32, blocks_per_row=2)
     cols = cols_of(qtype, raw)
-    packed, scales_and_zeros = torch_quant.pack_int4_for_cpu(
+    packed, scales_and_zeros = int4_packing.pack_int4_for_cpu(
         *torch_quant.int4_codes(torch.from_numpy(raw), qtype, cols), dtype=dtype
     )
     x = torch.randn(3, cols, generator=torch.Generator().manual_seed(0)).to(dtype)
@@ -138,22 +138,22 @@ def test_cpu_int4_matmul_equals_matmul_with_dequantized_weights(qtype, dtype, to
 
 
 def test_pack_int4_for_cpu_in_row_slabs_equals_torch_packing_the_whole_tensor(monkeypatch):
-    monkeypatch.setattr(torch_quant, "SLAB_ELEMENTS", 1)  # 64 rows per slab
+    monkeypatch.setattr(int4_packing, "SLAB_ELEMENTS", 1)  # 64 rows per slab
     codes = torch.randint(0, 16, (208, 64), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     ones = torch.ones(208, 2)
-    packed, _ = torch_quant.pack_int4_for_cpu(codes, ones, ones)
+    packed, _ = int4_packing.pack_int4_for_cpu(codes, ones, ones)
     assert torch.equal(packed, torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1))
 
 
 def test_pack_int4_for_cpu_rejects_rows_the_kernel_cannot_take():
     raw = torch.from_numpy(random_raw(Q.Q4_0, rows=8, blocks_per_row=1))
     with pytest.raises(UnsupportedTensorTypeError, match="divisible by 16"):
-        torch_quant.pack_int4_for_cpu(*torch_quant.int4_codes(raw, Q.Q4_0, 32))
+        int4_packing.pack_int4_for_cpu(*torch_quant.int4_codes(raw, Q.Q4_0, 32))
 
 
 @pytest.mark.parametrize(("cols", "tiles"), [(640, 8), (576, 4), (96, 2)])
 def test_cuda_inner_k_tiles_is_the_widest_that_divides_cols(cols, tiles):
-    assert torch_quant._inner_k_tiles(cols) == tiles
+    assert int4_packing._inner_k_tiles(cols) == tiles
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -162,7 +162,7 @@ def test_cuda_int4_matmul_equals_matmul_with_dequantized_weights(qtype):
     raw = random_raw(qtype, rows=64, blocks_per_row=4 if qtype == Q.Q4_K else 18)
     cols = cols_of(qtype, raw)
     codes, scales, zeros = torch_quant.int4_codes(torch.from_numpy(raw), qtype, cols)
-    packed, scales_and_zeros = torch_quant.pack_int4_for_cuda(codes, scales, zeros)
+    packed, scales_and_zeros = int4_packing.pack_int4_for_cuda(codes, scales, zeros)
     x = torch.randn(3, cols, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     got = torch.ops.aten._weight_int4pack_mm(x.cuda(), packed, 32, scales_and_zeros).float().cpu()
     expected = x.float() @ reference(qtype, raw).T

@@ -14,15 +14,15 @@ from corral.gguf import GGUFFile
 from corral.topk import topk
 from corral.kvcache import CausalCache
 from corral.model import Batch
-from corral.plugins.backends import torch_quant
-from corral.plugins.backends import torch as torch_backend
-from corral.plugins.backends import torch_attention, torch_native
-from corral.plugins.backends import torch_weights
+from corral.plugins.backends.torch import dequantize as torch_quant, int4_packing
+from corral.plugins.backends.torch import context as torch_backend
+from corral.plugins.backends.torch import attention as torch_attention, native as torch_native
+from corral.plugins.backends.torch import layouts as torch_weights
 from corral.plugins.backends.torch import TorchBackend
-from corral.plugins.backends import torch_fusion
-from corral.plugins.backends.torch_fusion import stack_weights
-from corral.plugins.backends.torch_graph import Graph, Slot, sequence_runs
-from corral.plugins.backends.torch_weights import (
+from corral.plugins.backends.torch import fusion as torch_fusion
+from corral.plugins.backends.torch.fusion import stack_weights
+from corral.plugins.backends.torch.graph import Graph, Slot, sequence_runs
+from corral.plugins.backends.torch.layouts import (
     LONG_RUN_ROWS, RESCORE_TOP, DenseWeight, Int4Blocks, Int4Weight, Int8Weight, MappedRows, RescoredLogits, int8_matmul,
     requantized_int4,
 )
@@ -128,7 +128,7 @@ def test_int8_matmul_of_single_rows_matches_the_dequantized_weight_to_bf16_round
 def test_int4_matmul_of_a_long_run_uses_the_files_exact_weights():
     raw, exact = quantized_rows(Q.Q4_0, rows=32, cols=64, seed=15)
     codes, scales, zeros = torch_quant.int4_codes(raw, Q.Q4_0, 64)
-    packed, sz = torch_quant.pack_int4_for_cpu(codes, scales, zeros)
+    packed, sz = int4_packing.pack_int4_for_cpu(codes, scales, zeros)
     weight = Int4Weight(packed, sz, 32, 64, MappedRows(raw, Q.Q4_0, 64))
     x = randn(LONG_RUN_ROWS + 3, 64, seed=16)
     got = weight.matmul(x, [(0, LONG_RUN_ROWS + 3)]).float()
@@ -157,7 +157,7 @@ def logits_layer(request) -> tuple[RescoredLogits, torch.Tensor]:
 
 def test_int4_requantize_rounds_each_group_to_within_half_a_step():
     weight = randn(32, 96, seed=11)
-    codes, scales, mins = torch_quant.int4_requantize(weight)
+    codes, scales, mins = torch_weights.int4_requantize(weight)
     assert int(codes.max()) <= 15
     rebuilt = codes.float().view(32, 3, 32) * scales[..., None] + mins[..., None]
     assert ((rebuilt.view(32, 96) - weight).abs() <= scales.repeat_interleave(32, dim=1) / 2 + 1e-6).all()
@@ -422,7 +422,7 @@ def int4_weight(rows: int, cols: int = 64, seed: int = 0) -> Int4Weight:
     gen = torch.Generator().manual_seed(seed)
     codes = torch.randint(0, 16, (rows, cols), dtype=torch.uint8, generator=gen)
     scales, zeros = torch.rand(rows, cols // 32, generator=gen), torch.rand(rows, cols // 32, generator=gen)
-    packed, sz = torch_quant.pack_int4_for_cpu(codes, scales, zeros)
+    packed, sz = int4_packing.pack_int4_for_cpu(codes, scales, zeros)
     return Int4Weight(packed, sz, rows, cols)
 
 

@@ -16,8 +16,8 @@ from typing import Any, Callable
 import attrs
 import torch
 
-from corral.plugins.backends.torch_graph import Graph, Node, Rewrite
-from corral.plugins.backends.torch_weights import Int4Blocks, Int4Weight, Int8Weight, MappedRows
+from corral.plugins.backends.torch.graph import Graph, Node, Rewrite
+from corral.plugins.backends.torch.layouts import Int4Blocks, Int4Weight, Int8Weight, MappedRows
 
 # The CPU int4 layout packs blocks of 64 rows (32 below AVX-512) independently: row-stacking packed
 # weights equals packing the stacked codes only when every part is whole blocks.

@@ -1,4 +1,4 @@
-"""GGUF tensor bytes -> torch weights: exact dequantization and torch's int4 group-32 packing.
+"""GGUF tensor bytes -> torch tensors, exactly: float weights, or int4 codes with their group scales and mins.
 
 Every function takes the raw bytes of one GGUF tensor as a uint8 tensor [rows, row_bytes] (usually
 `torch.frombuffer` over the file's memory map; never written to) and converts it with vectorised
@@ -71,7 +71,8 @@ def _k_low_nibbles(qs: torch.Tensor) -> torch.Tensor:
 
 
 # One function per format: blocks [n_blocks, type_size] -> float32 [n_blocks, block_size]. They work
-# in place on one float32 buffer: a fresh allocation per op cost more than the arithmetic (Q8_0 9x).
+# in place on one float32 buffer: a fresh allocation per op cost more than the arithmetic
+# (measured: BENCHMARKS.md, Measurements behind code decisions).
 
 
 def _f32(blocks: torch.Tensor) -> torch.Tensor:
@@ -184,7 +185,8 @@ def dequantize(raw: torch.Tensor, qtype: Q, cols: int, dtype: torch.dtype = torc
         )
     blocks = _blocks(raw, qtype)
     out = torch.empty(blocks.shape[0], gguf.GGML_QUANT_SIZES[qtype][0], dtype=dtype)
-    # Slabs keep the float32 intermediates in cache: 2-3x faster than whole-tensor ops on big tensors.
+    # Slabs keep the float32 intermediates in cache: faster than whole-tensor ops on big tensors
+    # (measured: BENCHMARKS.md, Measurements behind code decisions).
     step = max(1, SLAB_ELEMENTS // out.shape[1])
     for start in range(0, blocks.shape[0], step):
         out[start : start + step] = convert(blocks[start : start + step])
@@ -234,96 +236,3 @@ def int4_codes(raw: torch.Tensor, qtype: Q, cols: int) -> tuple[torch.Tensor, to
     """Raw Q4_0/Q4_1/Q4_K bytes -> (codes uint8 [rows, cols], scales, zeros float32 [rows, cols // 32]), torch's form."""
     codes, scales, mins = int4_blocks(raw, qtype, cols)
     return codes, scales, mins + 8 * scales
-
-
-def int4_requantize(weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A float weight [rows, cols] rounded to int4 per group of 32 (min to max in 15 steps):
-    (codes uint8 [rows, cols], scales, mins [rows, cols // 32], float32 values exact in `dtype`).
-    Lossy, unlike int4_blocks."""
-    rows, cols = weight.shape
-    groups = weight.reshape(rows, cols // INT4_GROUP, INT4_GROUP)
-    low, high = groups.amin(dim=-1), groups.amax(dim=-1)
-    scales = ((high - low) / 15).clamp_min(torch.finfo(torch.float32).tiny)
-    if dtype != torch.float32:  # a step no smaller and a min no larger: the codes still span each group
-        near_scales, near_low = rounded(scales, dtype, up=True), rounded(low, dtype, up=False)
-        fits = near_scales.isfinite() & near_low.isfinite()  # groups beyond dtype's range stay float32
-        scales, low = torch.where(fits, near_scales, scales), torch.where(fits, near_low, low)
-    codes = torch.round((groups - low[..., None]) / scales[..., None]).clamp_(0, 15).to(torch.uint8)
-    return codes.reshape(rows, cols), scales, low
-
-
-def rounded(values: torch.Tensor, dtype: torch.dtype, up: bool) -> torch.Tensor:
-    """Each float32 value rounded to the nearest `dtype` value at least (up) or at most it, as float32."""
-    near = values.to(dtype)
-    off = near.float() < values if up else near.float() > values
-    toward = torch.full_like(near, float("inf") if up else float("-inf"))
-    return torch.where(off, torch.nextafter(near, toward), near).float()
-
-
-def exact_in(values: torch.Tensor, dtype: torch.dtype) -> bool:
-    """Whether every value survives a round trip through `dtype` (finite and unrounded)."""
-    return torch.equal(values.to(dtype).float(), values.float())
-
-
-def scales_and_zeros(scales: torch.Tensor, zeros: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[rows, groups] twice -> [groups, rows, 2] (scale, zero), the layout both int4 kernels read."""
-    return torch.stack((scales.t(), zeros.t()), dim=-1).to(dtype).contiguous()
-
-
-def pack_int4_for_cpu(
-    codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, dtype: torch.dtype = torch.bfloat16
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Codes and group params -> (packed uint8 [rows, cols // 2], scales_and_zeros) for
-    `torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, 32, scales_and_zeros)`.
-
-    `dtype` must be the activations' dtype (the kernel requires x and scales_and_zeros to match;
-    float32 gives exact fp32 dequantization). The packed layout depends on the CPU's vector width
-    (blocks of 64 rows on AVX-512, 32 on AVX2), so it is built by torch and never stored to disk.
-    """
-    return pack_int4_codes_for_cpu(codes), scales_and_zeros(scales, zeros, dtype)
-
-
-def pack_int4_codes_for_cpu(codes: torch.Tensor) -> torch.Tensor:
-    """Codes uint8 [rows, cols] -> torch's packed CPU layout uint8 [rows, cols // 2]."""
-    rows = codes.shape[0]
-    if rows % 16:
-        raise UnsupportedTensorTypeError(f"torch's CPU int4 kernel needs rows divisible by 16, got {rows}")
-    cols = codes.shape[1]
-    packed = torch.empty(rows, cols // 2, dtype=torch.uint8)
-    # torch packs each block of 64 rows (32 below AVX-512) on its own, so slabs of a multiple of 64
-    # rows pack alike, and the int32 copy of the codes it insists on stays small.
-    step = max(64, SLAB_ELEMENTS // cols // 64 * 64)
-    for start in range(0, rows, step):
-        slab = codes[start : start + step].to(torch.int32)
-        packed[start : start + step] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(slab, 1)
-    return packed
-
-
-def _inner_k_tiles(cols: int) -> int:
-    """The widest tile (8, 4 or 2 k-tiles of 16) that divides cols; 576 columns only take 4."""
-    for tiles in (8, 4, 2):
-        if cols % (tiles * 16) == 0:
-            return tiles
-    raise UnsupportedTensorTypeError(f"torch's CUDA int4 kernel needs cols divisible by 32, got {cols}")
-
-
-def pack_int4_for_cuda(
-    codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, device: torch.device | str | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Codes and group params -> (packed int32 4-D, scales_and_zeros bf16 [cols // 32, rows, 2]) on
-    `device` (default: the codes' GPU, else "cuda") for
-    `torch.ops.aten._weight_int4pack_mm(x_bf16, packed, 32, scales_and_zeros)`.
-
-    Written from torch's int4mm.cu and test_linalg.py; not yet run on a GPU. The kernel takes byte
-    pairs with the even column in the high nibble, needs rows divisible by 8, and dequantizes in
-    bf16 arithmetic (fma of bf16 scale and zero), unlike the CPU kernel, which dequantizes in fp32.
-    """
-    rows, cols = codes.shape
-    if rows % 8:
-        raise UnsupportedTensorTypeError(f"torch's CUDA int4 kernel needs rows divisible by 8, got {rows}")
-    if device is None:
-        device = codes.device if codes.is_cuda else "cuda"
-    codes = codes.to(device=device, dtype=torch.uint8)
-    pairs = (codes[:, 0::2] << 4) | codes[:, 1::2]
-    packed = torch.ops.aten._convert_weight_to_int4pack(pairs.contiguous(), _inner_k_tiles(cols))
-    return packed, scales_and_zeros(scales.to(device), zeros.to(device), torch.bfloat16)

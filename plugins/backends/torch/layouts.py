@@ -3,10 +3,10 @@
 Every layout's `matmul(x, runs)` takes activations [rows, in] and the batch's per-sequence row
 runs, and returns [rows, out] (float32; bf16 straight from torch's int kernels: the next op
 promotes it or, being another int kernel, takes it as is) whose every row has the same bits
-whatever else is in the batch (batch invariance, see torch.py):
+whatever else is in the batch (batch invariance, see the package docstring):
 
 * `Int4Blocks`  Q4_0/Q4_1/Q4_K linears, 4-bit through the native kernel (int16 activations, exact
-                integer products; torch_native.py), every row alone, prompt or decode.
+                integer products; native.py), every row alone, prompt or decode.
 * `Int4Weight`  the same through torch's packed int4 kernel (bf16 activations) where there is no
                 native kernel, or on CUDA.
 * `Int8Weight`  other quantized linears (Q5_x, Q6_K, Q8_0, ...): one int8 per weight and one scale
@@ -31,7 +31,9 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from corral.plugins.backends import torch_native, torch_quant
+from corral.plugins.backends.torch import native
+from corral.plugins.backends.torch.dequantize import INT4_GROUP, SLAB_ELEMENTS, dequantize
+from corral.plugins.backends.torch.int4_packing import pack_int4_codes_for_cpu, scales_and_zeros
 from corral.topk import topk
 
 Runs = Sequence[tuple[int, int]] | None
@@ -40,8 +42,9 @@ Runs = Sequence[tuple[int, int]] | None
 # measured bit-identical for any chunk size (one row alone would take the gemv path).
 SINGLES_CHUNK = 8
 # A run of at least this many rows of one sequence (a prompt chunk) takes a layout's prompt path
-# (float32 BLAS on the file's weights for int4, int8 x int8 products for int8): the decode kernels
-# cost ~14 us a row for 1536x576 whatever the batch, the prompt paths 1.4-6 us from 64 rows on.
+# (float32 BLAS on the file's weights for int4, int8 x int8 products for int8): a row costs the
+# decode kernels the same whatever the batch, the prompt paths far less from 64 rows on
+# (measured: BENCHMARKS.md, Measurements behind code decisions).
 LONG_RUN_ROWS = 32
 # Logits recomputed exactly per row: more than the default top_k (40), so top-k sampling draws from
 # exact values; of the true top 40, the 4-bit copy's top 128 missed none on the reference prompts.
@@ -110,10 +113,11 @@ class Int4Weight:
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         # The kernel computes each row on its own: exact under batching as it is.
         xb = x.to(torch.bfloat16)
-        group = torch_quant.INT4_GROUP
+        group = INT4_GROUP
         if xb.device.type == "cuda":
             return torch._weight_int4pack_mm(xb, self.packed, group, self.scales_and_zeros)
-        # torch's direct bindings: 1.4 us a call less than torch.ops.aten's Python dispatch
+        # torch's direct bindings: less overhead a call than torch.ops.aten's Python dispatch
+        # (measured: BENCHMARKS.md, Measurements behind code decisions)
         return torch._weight_int4pack_mm_for_cpu(xb, self.packed, group, self.scales_and_zeros)
 
 
@@ -127,8 +131,8 @@ class Int4Blocks:
     """A linear weight kept 4-bit for the native kernel (native/int4_blocks.c): codes in ggml's
     nibble order, a scale and min per group of 32 (float16 where exact, else float32), int16
     activations, float32 out. Every row, prompt or decode, goes through the kernel: it computes
-    each row alone, and at 512 rows it is faster than float32 BLAS on the dequantized weight
-    (4.5 vs 5.3 ms for 1536x576, before BLAS's dequantization)."""
+    each row alone, and at 512 rows it is faster than float32 BLAS on the dequantized weight, even
+    before BLAS's dequantization (measured: BENCHMARKS.md, Measurements behind code decisions)."""
 
     codes: torch.Tensor  # uint8 [out, in // 2]
     scales: torch.Tensor  # [out, in // 32]
@@ -143,7 +147,7 @@ class Int4Blocks:
     def from_packed(cls, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> Int4Blocks:
         """Packed codes (`pack`), scales and mins [out, in // 32]. Both float16 where every value is
         exact in it (Q4_0's and Q4_1's are float16 in the file): a sixth fewer bytes to read a token."""
-        half = torch_quant.exact_in(scales, torch.float16) and torch_quant.exact_in(mins, torch.float16)
+        half = exact_in(scales, torch.float16) and exact_in(mins, torch.float16)
         dtype = torch.float16 if half else torch.float32
         return cls(packed, scales.to(dtype).contiguous(), cls.group(mins).to(dtype))
 
@@ -162,7 +166,7 @@ class Int4Blocks:
 
     @staticmethod
     def takes(rows: int, cols: int) -> bool:
-        return torch_native.has("int4_blocks_matmul") and rows % 16 == 0 and cols % 64 == 0
+        return native.has("int4_blocks_matmul") and rows % 16 == 0 and cols % 64 == 0
 
     @property
     def out_features(self) -> int:
@@ -180,11 +184,11 @@ class Int4Blocks:
         return self._kernel(x)
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
-        return torch_native.int4_blocks_matmul(x, self.codes, self.scales, self.mins)
+        return native.int4_blocks_matmul(x, self.codes, self.scales, self.mins)
 
     def coarse(self, x: torch.Tensor) -> torch.Tensor:
-        """Products with int8 activations (a scale per 32): for ranking candidates, 1.1-1.3x as fast."""
-        return torch_native.int4_blocks_matmul(x, self.codes, self.scales, self.mins, coarse=True)
+        """Products with int8 activations (a scale per 32): faster, for ranking candidates."""
+        return native.int4_blocks_matmul(x, self.codes, self.scales, self.mins, coarse=True)
 
 
 def _long_runs(x: torch.Tensor, runs: Runs, kernel: Any, long_kernel: Any, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -212,7 +216,8 @@ def _long_runs(x: torch.Tensor, runs: Runs, kernel: Any, long_kernel: Any, dtype
 
 def int8_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """x [rows, in] times (codes [out, in] int8 * scales [out])^T, float32, through `torch._int_mm`
-    (int8 x int8 -> int32 with VNNI, ~4x float32 BLAS's rate at 512 rows).
+    (int8 x int8 -> int32 with VNNI, well above float32 BLAS's rate at 512 rows;
+    measured: BENCHMARKS.md, Measurements behind code decisions).
 
     Each row of x is quantized in two levels, x ~ s1 * q1 + s2 * q2, the second rounding what the
     first left over: the activation error is ~1/32000 of the row's largest value (bf16 rounding
@@ -243,21 +248,50 @@ def requantized_int4(raw: torch.Tensor, qtype: Any, cols: int) -> Int4Blocks | I
     blocks = Int4Blocks.takes(rows, cols)
     dtype = torch.float16 if blocks else torch.float32
     packed = torch.empty(rows, cols // 2, dtype=torch.uint8)
-    scales = torch.empty(rows, cols // torch_quant.INT4_GROUP)
+    scales = torch.empty(rows, cols // INT4_GROUP)
     mins = torch.empty_like(scales)
-    step = max(64, torch_quant.SLAB_ELEMENTS // cols // 64 * 64)  # whole packing blocks per slab
+    step = max(64, SLAB_ELEMENTS // cols // 64 * 64)  # whole packing blocks per slab
     for start in range(0, rows, step):
-        codes, scales[start : start + step], mins[start : start + step] = torch_quant.int4_requantize(
-            torch_quant.dequantize(raw[start : start + step], qtype, cols), dtype
+        codes, scales[start : start + step], mins[start : start + step] = int4_requantize(
+            dequantize(raw[start : start + step], qtype, cols), dtype
         )
         if blocks:
             packed[start : start + step] = Int4Blocks.pack(codes)
         else:
-            packed[start : start + step] = torch_quant.pack_int4_codes_for_cpu(codes)
+            packed[start : start + step] = pack_int4_codes_for_cpu(codes)
     if blocks:  # float16 unless some group's values lie beyond its range
         return Int4Blocks.from_packed(packed, scales, mins)
-    sz = torch_quant.scales_and_zeros(scales, mins + 8 * scales, torch.bfloat16)
+    sz = scales_and_zeros(scales, mins + 8 * scales, torch.bfloat16)
     return Int4Weight(packed, sz, rows, cols)
+
+
+def int4_requantize(weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A float weight [rows, cols] rounded to int4 per group of 32 (min to max in 15 steps):
+    (codes uint8 [rows, cols], scales, mins [rows, cols // 32], float32 values exact in `dtype`).
+    Lossy, unlike dequantize.int4_blocks."""
+    rows, cols = weight.shape
+    groups = weight.reshape(rows, cols // INT4_GROUP, INT4_GROUP)
+    low, high = groups.amin(dim=-1), groups.amax(dim=-1)
+    scales = ((high - low) / 15).clamp_min(torch.finfo(torch.float32).tiny)
+    if dtype != torch.float32:  # a step no smaller and a min no larger: the codes still span each group
+        near_scales, near_low = rounded(scales, dtype, up=True), rounded(low, dtype, up=False)
+        fits = near_scales.isfinite() & near_low.isfinite()  # groups beyond dtype's range stay float32
+        scales, low = torch.where(fits, near_scales, scales), torch.where(fits, near_low, low)
+    codes = torch.round((groups - low[..., None]) / scales[..., None]).clamp_(0, 15).to(torch.uint8)
+    return codes.reshape(rows, cols), scales, low
+
+
+def rounded(values: torch.Tensor, dtype: torch.dtype, up: bool) -> torch.Tensor:
+    """Each float32 value rounded to the nearest `dtype` value at least (up) or at most it, as float32."""
+    near = values.to(dtype)
+    off = near.float() < values if up else near.float() > values
+    toward = torch.full_like(near, float("inf") if up else float("-inf"))
+    return torch.where(off, torch.nextafter(near, toward), near).float()
+
+
+def exact_in(values: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether every value survives a round trip through `dtype` (finite and unrounded)."""
+    return torch.equal(values.to(dtype).float(), values.float())
 
 
 @attrs.frozen
@@ -281,9 +315,9 @@ class Int8Weight:
         rows = raw.shape[0]
         codes = torch.empty(rows, cols, dtype=torch.int8)
         scales = torch.empty(rows, dtype=torch.bfloat16)
-        step = max(1, torch_quant.SLAB_ELEMENTS // cols)
+        step = max(1, SLAB_ELEMENTS // cols)
         for start in range(0, rows, step):
-            part = cls.quantize(torch_quant.dequantize(raw[start : start + step], qtype, cols))
+            part = cls.quantize(dequantize(raw[start : start + step], qtype, cols))
             codes[start : start + step], scales[start : start + step] = part.codes, part.scales
         return cls(codes, scales)
 
@@ -303,21 +337,22 @@ class Int8Weight:
         return self.codes.float() * self.scales.float()[:, None]
 
     def matmul(self, x: torch.Tensor, runs: Runs = None) -> torch.Tensor:
-        dtype = torch.float32 if torch_native.takes_int8_rows(self.codes) else torch.bfloat16
+        dtype = torch.float32 if native.takes_int8_rows(self.codes) else torch.bfloat16
         return _long_runs(x, runs, self._kernel, self._int8_rows, dtype)
 
     def _int8_rows(self, runs: list[torch.Tensor]) -> list[torch.Tensor]:
-        # Prompt chunks: int8 x int8 products, ~2.5x faster than dequantizing for float32 BLAS.
+        # Prompt chunks: int8 x int8 products, faster than dequantizing for float32 BLAS
+        # (measured: BENCHMARKS.md, Measurements behind code decisions).
         # Exact integer products of rows quantized alone: all runs in one call, the same bits.
-        matmul = torch_native.int8_prompt_matmul if torch_native.takes_int8_rows(self.codes) else int8_matmul
+        matmul = native.int8_prompt_matmul if native.takes_int8_rows(self.codes) else int8_matmul
         if len(runs) == 1:
             return [matmul(runs[0], self.codes, self.scales)]
         return list(matmul(torch.cat(runs), self.codes, self.scales).split([len(rows) for rows in runs]))
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         # Row-exact: every row is computed alone, whatever the batch.
-        if torch_native.takes_int8_rows(self.codes):
-            return torch_native.int8_rows_matmul(x, self.codes, self.scales)
+        if native.takes_int8_rows(self.codes):
+            return native.int8_rows_matmul(x, self.codes, self.scales)
         return torch._weight_int8pack_mm(x.to(torch.bfloat16), self.codes, self.scales)
 
 
@@ -346,11 +381,11 @@ class MappedRows:
 
     def dequantized(self) -> torch.Tensor:
         """The whole table as float32 [rows, cols]."""
-        return torch_quant.dequantize(self.raw, self.qtype, self.cols)
+        return dequantize(self.raw, self.qtype, self.cols)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """float32 [len(ids), cols], exact."""
-        return torch_quant.dequantize(self.raw.index_select(0, ids.reshape(-1).cpu()), self.qtype, self.cols).to(ids.device)
+        return dequantize(self.raw.index_select(0, ids.reshape(-1).cpu()), self.qtype, self.cols).to(ids.device)
 
 
 @attrs.frozen

@@ -15,26 +15,64 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from corral.plugins.backends import torch_native
+from corral.plugins.backends.torch import native
 
 # Query rows of one sequence from which its attention runs in float32 (see _compute_dtype).
 FLOAT_ATTENTION_ROWS = 32
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Any, layer: int, scale: float) -> torch.Tensor:
+class AttentionMemo:
+    """What the attention ops of one graph keep from call to call: whether the native kernel takes
+    each shape (fixed for a model), and the last step's regions: every layer of a pool shares its
+    groups and cells, so they are built once per step, not once per layer (the references kept
+    make the identity test sound)."""
+
+    __slots__ = ("takes", "groups", "cells", "regions")
+
+    def __init__(self) -> None:
+        self.takes: dict[tuple, bool] = {}
+        self.groups = self.cells = self.regions = None
+
+    def takes_row_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
+        """native.takes_row_attention, once per shape."""
+        key = (q.shape[1:], keys.shape, keys.dtype, keys.device.type, values.shape, values.dtype)
+        takes = self.takes.get(key)
+        if takes is None:
+            takes = self.takes[key] = native.takes_row_attention(q, keys, values)
+        return takes
+
+    def row_regions(self, groups: list[Any], cells: Any, rows: int) -> tuple[Any, bool]:
+        """The native kernel's regions of every row, and whether the rows are all decode rows in
+        order (then each row's new key and value go to its cell inside the call)."""
+        if self.groups is groups and self.cells is cells:
+            return self.regions
+        decode_only = all(_row_count(group.rows) == 1 for group in groups) and _in_row_order(groups, rows)
+        dest = None
+        if decode_only:
+            dest = list(range(cells.start, cells.start + rows)) if isinstance(cells, slice) else cells.tolist()
+        self.groups, self.cells = groups, cells
+        self.regions = (native.attention_regions(groups, rows, dest), decode_only)
+        return self.regions
+
+
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Any, layer: int, scale: float, memo: AttentionMemo | None = None
+) -> torch.Tensor:
     """Store the batch's k/v [n, kv_heads, dim] in its cells of `layer`, then each row's attention
-    over its sequence's cells: [n, heads * dim] in the cache's dtype."""
+    over its sequence's cells: [n, heads * dim] in the cache's dtype. `memo`: the graph's (see AttentionMemo)."""
     keys, values = cache.keys(layer), cache.values(layer)  # [kv_heads, cells, dim]
     cells = cache.layer_slots(layer)
     groups = cache.layer_groups(layer)
-    if torch_native.takes_row_attention(q, keys, values):
-        regions, decode_only = _row_regions(groups, cells, q.shape[0])
+    if memo is None:
+        memo = AttentionMemo()
+    if memo.takes_row_attention(q, keys, values):
+        regions, decode_only = memo.row_regions(groups, cells, q.shape[0])
         if decode_only:
             # Decode rows only: the kernel stores their keys and values itself (one call, not three).
-            return torch_native.row_attention(q, keys, values, regions, scale, (k, v)).reshape(q.shape[0], -1)
+            return native.row_attention(q, keys, values, regions, scale, (k, v)).reshape(q.shape[0], -1)
         _write_cells(keys, cells, k)
         _write_cells(values, cells, v)
-        return torch_native.row_attention(q, keys, values, regions, scale).reshape(q.shape[0], -1)
+        return native.row_attention(q, keys, values, regions, scale).reshape(q.shape[0], -1)
     _write_cells(keys, cells, k)
     _write_cells(values, cells, v)
     gqa = q.shape[1] != k.shape[1]
@@ -63,28 +101,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Any, lay
     return out.reshape(q.shape[0], -1)
 
 
-# The last batch's regions: every layer of a pool shares its groups and cells, so they are built
-# once per step, not once per layer (the references kept make the identity test sound).
-_last_regions: list[Any] = [None, None, None]
-
-
-def _row_regions(groups: list[Any], cells: Any, rows: int) -> tuple[Any, bool]:
-    """The native kernel's regions of every row, and whether the rows are all decode rows in order
-    (then each row's new key and value go to its cell inside the call)."""
-    if _last_regions[0] is groups and _last_regions[1] is cells:
-        return _last_regions[2]
-    decode_only = all(_row_count(group.rows) == 1 for group in groups) and _in_row_order(groups, rows)
-    dest = None
-    if decode_only:
-        dest = list(range(cells.start, cells.start + rows)) if isinstance(cells, slice) else cells.tolist()
-    entry = (torch_native.attention_regions(groups, rows, dest), decode_only)
-    _last_regions[:] = [groups, cells, entry]
-    return entry
-
-
 def _compute_dtype(rows: int, cached: torch.dtype) -> torch.dtype:
-    """float32 for a prompt run of FLOAT_ATTENTION_ROWS rows or more (the CPU kernel is ~1.8x faster
-    there than in bf16), else the cache's dtype: chosen by the sequence's own rows."""
+    """float32 for a prompt run of FLOAT_ATTENTION_ROWS rows or more (the CPU kernel is faster there
+    than in bf16; measured: BENCHMARKS.md, Measurements behind code decisions), else the cache's
+    dtype: chosen by the sequence's own rows."""
     return torch.float32 if rows >= FLOAT_ATTENTION_ROWS else cached
 
 
@@ -113,8 +133,8 @@ def _sequence_attention(
 def _sdpa(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: Any, scale: float, gqa: bool) -> torch.Tensor:
     """SDPA of queries [b, heads, rows, dim] over [b, kv_heads, cells, dim]. A single query row's
     heads that share a kv head are passed as rows of that head instead: the same products, but
-    torch's grouped-query path in bf16 measured 5x slower (284 vs 52 us for 9 heads over 512 cells
-    on an AMD EPYC; it copies the keys per head)."""
+    torch's grouped-query path in bf16 is much slower (it copies the keys per head;
+    measured: BENCHMARKS.md, Measurements behind code decisions)."""
     batch, heads, rows, dim = queries.shape
     if not gqa or rows != 1:
         return F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa)
@@ -127,7 +147,8 @@ def _decode_batches(groups: list[Any]) -> list[list[int]]:
     """Decode rows of sequences that read as many cells, all of them (no mask): one call for each
     such set of two or more. Sequences that advance in step (several samples of one prompt,
     prompts of one length) meet this every step; reading whole buckets of cells with a mask
-    instead would batch any lengths, but measured ~10% slower at batch 1."""
+    instead would batch any lengths, but is slower at batch 1
+    (measured: BENCHMARKS.md, Measurements behind code decisions)."""
     batches: dict[int, list[int]] = {}
     for i, group in enumerate(groups):
         if group.mask is None and isinstance(group.rows, slice) and group.rows.stop - group.rows.start == 1:

@@ -1,11 +1,12 @@
 /* int8 weights with one scale per output row times 16-bit activations, AVX-512 (VNNI where the CPU
  * has it): the Int8Weight layout (codes int8 [N][K], scales bf16 [N]).
  *
- * torch's `_weight_int8pack_mm` takes ~2x the time of reading the weights at one row (140 us for
- * gemma3's 2048x640 in a decode step). Here each activation row is quantized to int16 with one
- * scale, as in int4_blocks.c, and a row's products are summed exactly in int32 lanes (flushed to
- * float every FLUSH columns, far below overflow), so every output element is computed by the same
- * operations whatever the number of rows. Requires K % 32 == 0 and N % 16 == 0.
+ * torch's `_weight_int8pack_mm` takes well over the time of reading the weights at one row
+ * (measured: BENCHMARKS.md, Measurements behind code decisions). Here each activation row is
+ * quantized to int16 with one scale, as in int4_blocks.c, and a row's products are summed exactly
+ * in int32 lanes (flushed to float every FLUSH columns, far below overflow), so every output
+ * element is computed by the same operations whatever the number of rows. Requires K % 32 == 0
+ * and N % 16 == 0.
  */
 #include <stdlib.h>
 

@@ -1,7 +1,8 @@
 /* 4-bit weights in blocks of 32 times 16-bit activations, AVX-512 (VNNI where the CPU has it).
  *
  * torch's CPU int4 kernel dequantizes every weight to fp32 for each group of 4 activation rows,
- * so it is compute-bound even at one row (~15 GB/s of weights here) and 8 rows cost 4x one row.
+ * so it is compute-bound even at one row and 8 rows cost several times one row
+ * (measured: BENCHMARKS.md, Measurements behind code decisions).
  * Here weights stay integers: each activation row is quantized to int16 with one scale (error at
  * most 1/65534 of the row's largest value, finer than bf16 for all but tiny entries), and 32
  * products at a time are exact integer multiply-adds (vpdpwssd). A weight row is loaded and
@@ -176,8 +177,8 @@ INLINE void coarse_group(const uint8_t *codes, const void *scales, const void *m
 
 /* y[M][N] (float) = x[M][K] (float, or bf16 when x_bf16) times the weights' transpose; scales and
  * mins float16 when `half`, else float32. N % 16 == 0; mins laid out [N / 16][K / 32][16].
- * `coarse`: int8 activations (a scale per block of 32), ~1.5x as fast and ~250 times coarser, for
- * the vocabulary projection's candidate ranking. */
+ * `coarse`: int8 activations (a scale per block of 32), faster and ~250 times coarser, for the
+ * vocabulary projection's candidate ranking (measured: BENCHMARKS.md, Measurements behind code decisions). */
 void int4_blocks_matmul(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *codes, const void *scales,
                         const void *mins, int half, int64_t N, float *y, int coarse, int threads)
 {

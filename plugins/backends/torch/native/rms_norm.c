@@ -1,5 +1,6 @@
 /* RMS norm of float32 or bf16 rows, AVX-512: one call instead of torch's six kernels (pow, mean,
- * add, rsqrt and two products, ~20 us a call for one 576-wide row in a decode step, 2 us here).
+ * add, rsqrt and two products), whose dispatch costs far more than the arithmetic of a decode
+ * step's row (measured: BENCHMARKS.md, Measurements behind code decisions).
  * y = x * (1 / sqrt(mean(x^2) + eps)) * w, float32 out, each row computed alone. */
 #include "simd.h"
 

@@ -8,7 +8,8 @@ running it). A graph whose inputs are not the batch's own arrays is used once.
 
 A graph's first run interprets its node list; from its second run on, it runs as a generated
 straight-line Python function (`Plan`): one call per node with its arguments in local variables,
-each value dropped after its last reader, ~1 us a node less (smollm2 decode: ~600 nodes a token).
+each value dropped after its last reader: less Python a node than interpreting the list, which
+counts at a decode step's hundreds of nodes (measured: BENCHMARKS.md, Measurements behind code decisions).
 """
 
 from __future__ import annotations

@@ -96,6 +96,8 @@ def _build(name: str) -> Path | None:
     return target
 
 
+# Process-wide memos, and rightly so: a library loaded with ctypes stays mapped until the process
+# exits, so the process is the lifetime of `load`'s and `function`'s answers.
 @functools.cache
 def load(name: str) -> ctypes.CDLL | None:
     """The compiled library `native/<name>.c`, or None where it cannot be built here."""
@@ -110,6 +112,20 @@ def load(name: str) -> ctypes.CDLL | None:
 
 
 _i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+
+
+class RowAttentionArgs(ctypes.Structure):
+    """native/row_attention.c's `struct row_attention_args`, field for field."""
+
+    _fields_ = [
+        ("q", _ptr), ("rows", _i64), ("heads", _i64), ("kv_heads", _i64), ("key_dim", _i64), ("value_dim", _i64),
+        ("keys", _ptr), ("values", _ptr), ("cells", _i64), ("bf16", _int),
+        ("starts", _ptr), ("used", _ptr), ("masks", _ptr), ("dest", _ptr),
+        ("new_keys", _ptr), ("new_values", _ptr), ("key_stride", _i64), ("value_stride", _i64),
+        ("scale", ctypes.c_float), ("out", _ptr), ("threads", _int),
+    ]  # fmt: skip
+
+
 # function -> (source file, argument types)
 SIGNATURES = {
     "int4_blocks_matmul": ("int4_blocks", (_ptr, _int, _i64, _i64, _ptr, _ptr, _ptr, _int, _i64, _ptr, _int, _int)),
@@ -118,11 +134,7 @@ SIGNATURES = {
     "int8_two_level_out": ("int8_rows", (_ptr, _ptr, _ptr, _i64, _i64, _ptr, _int)),
     "rms_norm": ("rms_norm", (_ptr, _int, _i64, _i64, _ptr, ctypes.c_float, _ptr, _int)),
     "gated": ("gated", (_ptr, _i64, _ptr, _i64, _i64, _i64, _int, _ptr, _int)),
-    "row_attention": (
-        "row_attention",
-        (_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _int, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _ptr,
-         ctypes.c_float, _ptr, _int),
-    ),
+    "row_attention": ("row_attention", (ctypes.POINTER(RowAttentionArgs),)),
 }
 RESTYPES = {"row_attention": ctypes.c_int}
 MAX_HEAD_GROUP = 16  # query heads per kv head the attention kernel takes
@@ -156,7 +168,8 @@ def int4_blocks_matmul(
 ) -> torch.Tensor:
     """x [rows, in] (float32 or bf16) times the 4-bit weight's transpose -> float32 [rows, out]
     (layout and arithmetic: native/int4_blocks.c; scales and mins both float16 or both float32).
-    `coarse`: int8 activations (a scale per 32), 1.1-1.3x as fast at several rows, for ranking candidates."""
+    `coarse`: int8 activations (a scale per 32), faster at several rows, for ranking candidates
+    (measured: BENCHMARKS.md, Measurements behind code decisions)."""
     x = _floats(x)
     rows, cols = x.shape
     out = torch.empty((rows, codes.shape[0]), dtype=torch.float32)
@@ -238,26 +251,21 @@ def gated(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor
     return out
 
 
-_TAKES_ATTENTION: dict[tuple, bool] = {}
-
-
 def takes_row_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
     """Whether the native attention kernel takes these shapes and dtypes (fixed for a model)."""
-    key = (q.shape[1:], keys.shape, keys.dtype, keys.device.type, values.shape, values.dtype)
-    if key not in _TAKES_ATTENTION:
-        heads, kv_heads = q.shape[1], keys.shape[0]
-        _TAKES_ATTENTION[key] = (
-            keys.device.type == "cpu" and keys.dtype == values.dtype and keys.dtype in (torch.bfloat16, torch.float32)
-            and q.shape[-1] % 16 == 0 and values.shape[-1] % 16 == 0 and heads % kv_heads == 0
-            and heads // kv_heads <= MAX_HEAD_GROUP and keys.is_contiguous() and values.is_contiguous()
-            and has("row_attention")
-        )  # fmt: skip
-    return _TAKES_ATTENTION[key]
+    heads, kv_heads = q.shape[1], keys.shape[0]
+    return (
+        keys.device.type == "cpu" and keys.dtype == values.dtype and keys.dtype in (torch.bfloat16, torch.float32)
+        and q.shape[-1] % 16 == 0 and values.shape[-1] % 16 == 0 and heads % kv_heads == 0
+        and heads // kv_heads <= MAX_HEAD_GROUP and keys.is_contiguous() and values.is_contiguous()
+        and has("row_attention")
+    )  # fmt: skip
 
 
 class Regions:
-    """An `attention_regions` array, its address (numpy's `.ctypes` costs microseconds a call) and
-    the masks its addresses point into (kept alive with it)."""
+    """An `attention_regions` array, its address (numpy's `.ctypes` is slow to read at every call;
+    measured: BENCHMARKS.md, Measurements behind code decisions) and the masks its addresses
+    point into (kept alive with it)."""
 
     __slots__ = ("array", "address", "masks")
 
@@ -314,12 +322,14 @@ def row_attention(
     key_stride = value_stride = 0
     if new is not None:
         (k, key_stride), (v, value_stride) = _rows_of_heads(new[0]), _rows_of_heads(new[1])
-    failed = function("row_attention")(
-        q.data_ptr(), rows, heads, kv_heads, key_dim, value_dim, keys.data_ptr(), values.data_ptr(),
-        keys.dtype is torch.bfloat16, cells, address, address + step, address + 2 * step,
-        None if k is None else k.data_ptr(), None if v is None else v.data_ptr(), key_stride, value_stride,
-        None if k is None else address + 3 * step, scale, out.data_ptr(), torch.get_num_threads(),
+    args = RowAttentionArgs(
+        q=q.data_ptr(), rows=rows, heads=heads, kv_heads=kv_heads, key_dim=key_dim, value_dim=value_dim,
+        keys=keys.data_ptr(), values=values.data_ptr(), cells=cells, bf16=keys.dtype is torch.bfloat16,
+        starts=address, used=address + step, masks=address + 2 * step, dest=None if k is None else address + 3 * step,
+        new_keys=None if k is None else k.data_ptr(), new_values=None if v is None else v.data_ptr(),
+        key_stride=key_stride, value_stride=value_stride, scale=scale, out=out.data_ptr(), threads=torch.get_num_threads(),
     )  # fmt: skip
+    failed = function("row_attention")(ctypes.byref(args))
     if failed:
         raise MemoryError("native attention could not allocate its scores")
     return out

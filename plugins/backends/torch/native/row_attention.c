@@ -1,20 +1,35 @@
 /* Attention of query rows over their sequences' cached keys, each row on its own, AVX-512.
  *
- * torch's CPU SDPA costs ~95 us for one row of 9 heads over 512 bf16 cells in a decode step (its
- * flash kernel is built for blocks of queries); this reads each cached row once per kv head and
- * takes ~15 us. A prompt's rows go through the same code, each reading only the cells up to its
- * last visible one (half of a causal square): 512 rows of smollm2 in 2.6 ms, SDPA 4.4-5.4 ms.
+ * torch's CPU SDPA is slow for one query row in a decode step (its flash kernel is built for
+ * blocks of queries); this reads each cached row once per kv head. A prompt's rows go through the
+ * same code, each reading only the cells up to its last visible one (half of a causal square),
+ * faster than SDPA there too (measured: BENCHMARKS.md, Measurements behind code decisions).
  * Each (row, query head) is computed alone, in float32, in a fixed order: a row's result does not
  * depend on the other rows, their lengths or the thread count.
  *
- * q: float32 [S][heads][key_dim]. keys, values: [kv_heads][cells][dim] (bf16 or float32); row s
- * reads cells starts[s] .. starts[s] + used[s]. masks[s]: 0, or the address of used[s] bools
- * (visible or not). out: float32 [S][heads][value_dim]. Heads h of kv head h / (heads / kv_heads).
- * Dims are multiples of 16.
+ * Heads h of kv head h / (heads / kv_heads). Dims are multiples of 16.
  */
 #include <stdlib.h>
 
 #include "simd.h"
+
+/* One call's arguments (native.py's RowAttentionArgs mirrors it field for field). */
+struct row_attention_args {
+    const float *q;   /* float32 [rows][heads][key_dim] */
+    int64_t rows, heads, kv_heads, key_dim, value_dim;
+    void *keys;       /* [kv_heads][cells][key_dim], bf16 or float32 */
+    void *values;     /* [kv_heads][cells][value_dim], as keys */
+    int64_t cells;
+    int bf16;         /* keys and values are bf16 (else float32) */
+    const int64_t *starts, *used; /* row s reads cells starts[s] .. starts[s] + used[s] */
+    const int64_t *masks;         /* masks[s]: 0, or the address of used[s] bools (visible or not) */
+    const int64_t *dest;          /* 0, or the cell of each row's new key and value */
+    const float *new_keys, *new_values; /* float [rows][kv_heads][dim], rows key_stride and value_stride floats apart */
+    int64_t key_stride, value_stride;
+    float scale;
+    float *out;       /* float32 [rows][heads][value_dim] */
+    int threads;
+};
 
 #define MAX_GROUP 16 /* query heads per kv head */
 #define VALUE_TILE 4 /* 16-float chunks of a value row accumulated in registers at a time */
@@ -142,14 +157,20 @@ static void store_row(const float *row, int64_t heads, int64_t dim, void *buffer
 }
 
 /* Returns 0, or -1 when a group of heads is larger than MAX_GROUP or memory runs out. When `dest`
- * is given, each sequence's new key and value rows (float [kv_heads][dim], rows key_stride and
- * value_stride floats apart) are first stored in its cell dest[s]. Fewer (sequence, kv head) pairs than threads are split by query heads, so
- * that every thread has work: each head's arithmetic is the same either way. */
-int row_attention(const float *q, int64_t S, int64_t heads, int64_t kv_heads, int64_t key_dim, int64_t value_dim,
-                     void *keys, void *values, int bf16, int64_t cells, const int64_t *starts, const int64_t *used,
-                     const int64_t *masks, const float *new_keys, const float *new_values, int64_t key_stride,
-                     int64_t value_stride, const int64_t *dest, float scale, float *out, int threads)
+ * is given, each row's new key and value are first stored in its cell dest[s]. Fewer (sequence,
+ * kv head) pairs than threads are split by query heads, so that every thread has work: each head's
+ * arithmetic is the same either way. */
+int row_attention(const struct row_attention_args *args)
 {
+    const float *q = args->q, *new_keys = args->new_keys, *new_values = args->new_values;
+    const int64_t S = args->rows, heads = args->heads, kv_heads = args->kv_heads, key_dim = args->key_dim;
+    const int64_t value_dim = args->value_dim, cells = args->cells, key_stride = args->key_stride;
+    const int64_t value_stride = args->value_stride;
+    const int64_t *starts = args->starts, *used = args->used, *masks = args->masks, *dest = args->dest;
+    void *keys = args->keys, *values = args->values;
+    const int bf16 = args->bf16, threads = args->threads;
+    const float scale = args->scale;
+    float *out = args->out;
     for (int64_t s = 0; dest && s < S; s++) {
         store_row(new_keys + s * key_stride, kv_heads, key_dim, keys, bf16, cells, dest[s]);
         store_row(new_values + s * value_stride, kv_heads, value_dim, values, bf16, cells, dest[s]);

@@ -1,0 +1,157 @@
+"""The torch backend's context: the ops of ml.Context recorded as graph nodes, and the functions they run."""
+
+from __future__ import annotations
+
+import operator
+from typing import TYPE_CHECKING, Any, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from corral.model import Batch
+from corral.plugins.backends.torch import native
+from corral.plugins.backends.torch.attention import AttentionMemo, attention
+from corral.plugins.backends.torch.fusion import fuse_gates, fuse_linears, fuse_ropes
+from corral.plugins.backends.torch.graph import Graph, Node, Slot
+from corral.plugins.backends.torch.layouts import MappedRows
+
+if TYPE_CHECKING:
+    from corral.plugins.backends.torch.backend import TorchBackend
+
+
+class TorchContext(Graph):
+    """Records the ops of ml.Context as graph nodes; `compute()` runs them."""
+
+    def __init__(self, backend: TorchBackend, batch: Batch | None = None, view: Any = None):
+        super().__init__(batch, view)
+        self.backend = backend
+        self._rope_tables: dict[tuple, Node] = {}
+        self._attention = AttentionMemo()
+
+    def optimize(self, output: Node) -> Node:
+        (output,) = fuse_linears(self, (output,), _linear, self.backend.stacked_weight)
+        (output,) = fuse_ropes(self, (output,), _rope)
+        if self.backend.native("gated"):
+            (output,) = fuse_gates(self, (output,), {fn: name for name, fn in GATED.items()}, _gated)
+        return output
+
+    # --- ops -------------------------------------------------------------------------------
+    def input(self, values: np.ndarray) -> Node:
+        slot = self.batch_slot(values)
+        return self.record(self._input, slot if slot is not None else values)
+
+    def _input(self, values: np.ndarray) -> torch.Tensor:
+        return self.backend.from_numpy(np.asarray(values, dtype=np.int64))
+
+    def embedding(self, weight: Any, ids: Node) -> Node:
+        if isinstance(weight, MappedRows):
+            return self.record(MappedRows.rows, weight, ids)
+        return self.record(lambda w, i: F.embedding(i, w).float(), weight, ids)
+
+    def linear(self, x: Node, weight: Any, bias: Any = None) -> Node:
+        return self.record(_linear, x, weight, bias, Slot("runs") if self.batch is not None else None)
+
+    def rms_norm(self, x: Node, weight: torch.Tensor, eps: float) -> Node:
+        if self.backend.native("rms_norm") and weight.dtype == torch.float32 and weight.is_contiguous():
+            return self.record(native.rms_norm, x, weight, eps)
+        return self.record(lambda t, w: F.rms_norm(t.float(), (t.shape[-1],), w, eps), x, weight)
+
+    def layer_norm(self, x: Node, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> Node:
+        return self.record(lambda t, w, b: F.layer_norm(t.float(), (t.shape[-1],), w, b, eps), x, weight, bias)
+
+    def rope(self, x: Node, positions: Node, *, dims: int, base: float, scale: float = 1.0, neox: bool) -> Node:
+        # Every layer rotates by the same positions: build each cos/sin table once per graph.
+        key = (positions.index, dims, base, scale, neox)
+        if key not in self._rope_tables:
+            self._rope_tables[key] = self.record(_rope_table, positions, dims, base, scale, neox)
+        return self.record(_rope, x, self._rope_tables[key], dims, neox)
+
+    def attention(self, q: Node, k: Node, v: Node, cache: Any, layer: int, scale: float) -> Node:
+        if cache is not self.view:
+            self.replayable = False
+        return self.record(attention, q, k, v, Slot("view") if cache is self.view else cache, layer, scale, self._attention)
+
+    def cached_keys(self, keys: Any, cells: Node) -> Node:
+        return self.record(_cached_keys, keys, cells)
+
+    def store_keys(self, keys: Any, cells: Node, new: Node) -> Node:
+        return self.record(_store_keys, keys, cells, new)
+
+    def reshape(self, x: Node, shape: Sequence[int]) -> Node:
+        return self.record(torch.reshape, x, tuple(shape))
+
+    def rows(self, x: Node, indices: Node) -> Node:
+        return self.record(torch.index_select, x, 0, indices)
+
+    def split(self, x: Node, sizes: Sequence[int], dim: int = -1) -> tuple[Node, ...]:
+        parts = self.record(torch.split, x, list(sizes), dim)
+        return tuple(self.record(operator.getitem, parts, i) for i in range(len(sizes)))
+
+    def scale(self, x: Node, factor: float) -> Node:
+        return self.record(torch.mul, x, factor)
+
+    def silu(self, x: Node) -> Node:
+        return self.record(F.silu, x)
+
+    def gelu(self, x: Node, approximate: str = "tanh") -> Node:
+        if approximate == "tanh":
+            return self.record(_gelu_tanh, x)
+        return self.record(lambda t: F.gelu(t, approximate=approximate), x)
+
+
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+# The activations a fused gate computes (by native.gated's names), as the graph records them.
+GATED = {"silu": F.silu, "gelu_tanh": _gelu_tanh}
+
+
+def _gated(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
+    """activation(gate) * up: natively in one pass for float32 rows on the CPU, else torch's two kernels."""
+    if gate.dtype == up.dtype == torch.float32 and gate.device.type == "cpu" and gate.dim() == 2 and gate.stride(1) == up.stride(1) == 1:
+        return native.gated(gate, up, activation)
+    return GATED[activation](gate) * up
+
+
+def _linear(x: torch.Tensor, weight: Any, bias: torch.Tensor | None, runs: list[tuple[int, int]] | None) -> torch.Tensor:
+    y = weight.matmul(x, runs)
+    return y if bias is None else y + bias
+
+
+def _rope_table(positions: torch.Tensor, dims: int, base: float, scale: float, neox: bool) -> Any:
+    """The rotation of each position, laid out like the features it turns: for adjacent pairs, the
+    complex unit e^(i angle) [n, 1, dims/2]; for halves, cos and signed sin [n, 1, dims]."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, dims, 2, device=positions.device, dtype=torch.float32) / dims))
+    angles = (positions.float() * scale)[:, None] * inv_freq[None, :]  # [n, dims/2]
+    if not neox:
+        return torch.polar(torch.ones_like(angles), angles)[:, None, :]
+    cos, sin = angles.cos(), angles.sin()
+    return torch.cat((cos, cos), -1)[:, None, :], torch.cat((-sin, sin), -1)[:, None, :]
+
+
+def _rope(x: torch.Tensor, table: Any, dims: int, neox: bool) -> torch.Tensor:
+    # x: [n, heads, head_dim]; only the first `dims` features rotate. Adjacent pairs (a, b) are the
+    # complex number a + ib, turned by one complex product; halves rotate as x * cos +
+    # swapped(x) * signed sin, three kernels.
+    partial = dims < x.shape[-1]
+    rot = x[..., :dims] if partial else x
+    if neox:
+        cos, sin = table
+        out = torch.addcmul(rot * cos, rot.roll(dims // 2, dims=-1), sin)
+    else:
+        pairs = rot.float().unflatten(-1, (dims // 2, 2))
+        if pairs.storage_offset() % 2:  # a complex view needs pairs aligned to their size
+            pairs = pairs.contiguous()
+        out = torch.view_as_real(torch.view_as_complex(pairs) * table).flatten(-2)
+    return torch.cat((out, x[..., dims:].float()), dim=-1) if partial else out
+
+
+def _cached_keys(keys: torch.Tensor, cells: torch.Tensor) -> torch.Tensor:
+    return keys.index_select(1, cells).transpose(0, 1).float()
+
+
+def _store_keys(keys: torch.Tensor, cells: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    keys.index_copy_(1, cells, new.transpose(0, 1).to(keys.dtype))
+    return keys
