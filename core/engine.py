@@ -18,7 +18,7 @@ import attrs
 import numpy as np
 from gguf import LlamaFileType
 
-from corral.errors import CorralError, UnknownArchitectureError
+from corral.errors import CorralError
 from corral.gguf import GGUFFile
 from corral.kvcache import CausalCache
 from corral.memory import release_freed_memory, reuse_large_buffers
@@ -29,7 +29,6 @@ from corral.sample import SamplerChain, SequenceSampler
 from corral.template import ChatTemplate
 from corral.tokenizer import IncrementalDecoder, Tokenizer
 
-DEFAULT_BACKEND = "torch"
 DEFAULT_NUM_CTX = 4096
 
 
@@ -91,7 +90,7 @@ class LoadedModel:
         self.model = model
         self.backend = backend
         self.tokenizer = tokenizer
-        self.template = ChatTemplate.from_metadata(gguf.metadata, gguf.architecture)
+        self.template = ChatTemplate.from_metadata(gguf.metadata, model.default_chat_template())
         self.plugins = plugins or Plugins()
         self._chain: SamplerChain | None = None
 
@@ -108,7 +107,7 @@ class LoadedModel:
     def use_template(self, source: str) -> None:
         """Render chats with `source` (a Jinja chat template, e.g. a Modelfile's TEMPLATE) instead of the file's."""
         metadata = {**self.gguf.metadata, "tokenizer.chat_template": source}
-        self.template = ChatTemplate.from_metadata(metadata, self.gguf.architecture)
+        self.template = ChatTemplate.from_metadata(metadata, self.model.default_chat_template())
 
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
         """Token ids of `text` (BOS added when the model wants it and add_special is true)."""
@@ -214,12 +213,12 @@ class LoadedModel:
 def load_model(
     name_or_path: str | os.PathLike,
     precision: str = "auto",
-    backend: str = DEFAULT_BACKEND,
+    backend: str | None = None,
     device: str | None = None,
     plugins: Plugins | None = None,
     num_thread: int = 0,
 ) -> LoadedModel:
-    """Open a GGUF model (a store name such as "smollm2", or a file path) on a backend plugin.
+    """Open a GGUF model (a store name such as "smollm2", or a file path) on a backend plugin (the default one unless named).
 
     `num_thread` > 0 sets the backend's compute threads (process-wide for the torch backend).
     """
@@ -228,24 +227,14 @@ def load_model(
     start = time.perf_counter()
     reuse_large_buffers()
     gguf = GGUFFile.open(path)
-    arch = gguf.architecture
-    architectures = plugins.architectures()
-    if arch not in architectures:
-        known = ", ".join(sorted(architectures)) or "none"
-        raise UnknownArchitectureError(
-            f"{path}: architecture '{arch}' is not supported (known: {known}); "
-            "a plugin package may provide it (see `corral plugins`)"
-        )
-    backends = plugins.backends()
-    if backend not in backends:
-        raise CorralError(f"backend '{backend}' is not installed (installed: {', '.join(sorted(backends))})")
-    tensor_backend = backends[backend](device=device, precision=precision)
+    model_class = plugins.architecture_for(gguf)
+    tensor_backend = plugins.open_backend(backend, device=device, precision=precision)
     if num_thread > 0:
         tensor_backend.set_threads(num_thread)
     # The tokenizer (pure Python, ~1 s for a 262k vocabulary) builds while torch converts weights.
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
         tokenizer = pool.submit(Tokenizer.from_gguf, gguf.metadata)
-        model = architectures[arch].from_gguf(gguf, tensor_backend)
+        model = model_class.from_gguf(gguf, tensor_backend)
         tokenizer = tokenizer.result()
     gguf.drop_resident_pages()
     release_freed_memory()

@@ -38,11 +38,17 @@ class CellPool:
     def __init__(self, num_cells: int, window: int | None, region_size: int | None = None):
         self.window = window
         self.region_size = min(region_size or num_cells, num_cells)
-        self.num_cells = num_cells - num_cells % self.region_size
+        self.num_cells = self.usable_cells(num_cells, region_size)
         self.shared = region_size is None
         self.pos = np.full(self.num_cells, EMPTY, dtype=np.int64)
         self.seq = np.full(self.num_cells, EMPTY, dtype=np.int64)
         self.region_of: dict[int, int] = {}
+
+    @staticmethod
+    def usable_cells(num_cells: int, region_size: int | None) -> int:
+        """Cells a pool of `num_cells` uses: whole regions only."""
+        region_size = min(region_size or num_cells, num_cells)
+        return num_cells - num_cells % region_size
 
     def allocate(self, batch: Batch) -> np.ndarray:
         """Claim a free cell in its sequence's region for each batch row and tag it."""
@@ -154,6 +160,13 @@ class CacheView:
         return self.groups[self.cache.layer_pool[layer]]
 
 
+def runtime_cells(layers: list[CacheLayer], num_ctx: int, num_parallel: int, num_batch: int) -> tuple[int, int | None]:
+    """A runtime's (global, sliding-window) pool sizes: num_ctx cells per sequence; a window and a batch."""
+    windows = [layer.window for layer in layers if layer.window]
+    window_cells = num_parallel * (max(windows) + num_batch) if windows else None
+    return num_ctx * num_parallel, window_cells
+
+
 class CausalCache:
     """Per-layer key/value buffers [kv_heads, cells, dim] over one cell pool per attention window.
 
@@ -172,17 +185,39 @@ class CausalCache:
     ):
         self.backend = backend
         self.layers = layers
-        windows = sorted({layer.window for layer in layers}, key=lambda w: (w is not None, w or 0))
+        windows = self._windows(layers)
         self.pools = []
         for window in windows:
             size = self._pool_size(window, num_cells, window_cells)
             self.pools.append(CellPool(size, window, size // num_seqs if num_seqs else None))
         self.layer_pool = [windows.index(layer.window) for layer in layers]
         self.keys, self.values = [], []
-        for layer, pool in zip(layers, self.layer_pool):
-            cells = self.pools[pool].num_cells
-            self.keys.append(backend.kv_buffer((layer.kv_heads, cells, layer.key_dim)))
-            self.values.append(backend.kv_buffer((layer.kv_heads, cells, layer.value_dim)))
+        for shapes in self.buffer_shapes(layers, [self.pools[pool].num_cells for pool in self.layer_pool]):
+            self.keys.append(backend.kv_buffer(shapes[0]))
+            self.values.append(backend.kv_buffer(shapes[1]))
+
+    @classmethod
+    def layer_cells(
+        cls, layers: list[CacheLayer], num_cells: int, window_cells: int | None = None, num_seqs: int | None = None
+    ) -> list[int]:
+        """The cells each layer's buffers would hold in a cache of these sizes, without allocating it."""
+        sizes = {}
+        for window in cls._windows(layers):
+            size = cls._pool_size(window, num_cells, window_cells)
+            sizes[window] = CellPool.usable_cells(size, size // num_seqs if num_seqs else None)
+        return [sizes[layer.window] for layer in layers]
+
+    @staticmethod
+    def buffer_shapes(layers: list[CacheLayer], cells: list[int]) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+        """The (keys, values) buffer shapes of each layer holding `cells` of it."""
+        return [
+            ((layer.kv_heads, count, layer.key_dim), (layer.kv_heads, count, layer.value_dim))
+            for layer, count in zip(layers, cells)
+        ]
+
+    @staticmethod
+    def _windows(layers: list[CacheLayer]) -> list[int | None]:
+        return sorted({layer.window for layer in layers}, key=lambda w: (w is not None, w or 0))
 
     @staticmethod
     def _pool_size(window: int | None, num_cells: int, window_cells: int | None) -> int:

@@ -1,8 +1,10 @@
 """Predict what loading a model will cost in memory, before loading it.
 
-weights (as the torch backend lays them out) + KV cache (num_ctx x num_parallel cells per layer,
-sliding-window layers only their window) + compute buffers (one num_batch step's activations and
-the logits rows). The scheduler evicts idle models when the prediction does not fit.
+weights (each tensor as the backend will hold it, for the role the architecture binds it to) + KV
+cache (the cells the runtime will allocate for each layer, from the architecture's cache layout) +
+compute buffers (one num_batch step's activations and the logits rows). The scheduler evicts idle
+models when the prediction does not fit. No architecture or backend is known here by name: both
+are asked, through the plugins.
 """
 
 from __future__ import annotations
@@ -13,14 +15,11 @@ import sys
 from typing import Any
 
 import attrs
-from gguf import GGMLQuantizationType as Q
 
 from corral.gguf import GGUFFile
-
-INT4_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q4_K})
-KV_BYTES = 2  # bf16 cache
-INT4_BYTES_PER_WEIGHT = 0.5 + 2 * 2 / 32  # packed nibbles + bf16 scale and zero per group of 32
-FLOAT_TYPES = frozenset({Q.F32, Q.F16, Q.BF16})
+from corral.kvcache import CausalCache, runtime_cells
+from corral.model import config_from_gguf
+from corral.registry import Plugins
 
 
 @attrs.frozen
@@ -34,65 +33,41 @@ class MemoryEstimate:
         return self.weights + self.kv_cache + self.compute
 
 
-def estimate(path: str | os.PathLike, num_ctx: int, num_parallel: int, num_batch: int = 512) -> MemoryEstimate:
-    """Bytes the model at `path` will need with this context, parallelism and batch size."""
+def estimate(
+    path: str | os.PathLike, num_ctx: int, num_parallel: int, num_batch: int = 512, plugins: Plugins | None = None
+) -> MemoryEstimate:
+    """Bytes the model at `path` will need with this context, parallelism and batch size.
+
+    Raises UnknownArchitectureError when no installed plugin runs the file, and what binding raises
+    (missing metadata or tensors) when the file does not match its architecture.
+    """
+    plugins = plugins or Plugins()
     gguf = GGUFFile.open(path)
-    arch = gguf.architecture
-    num_ctx = min(num_ctx, int(_meta(gguf, arch, "context_length", num_ctx)))  # the runtime clamps it too
+    model_class = plugins.architecture_for(gguf)
+    backend = plugins.open_backend()
+    config = config_from_gguf(model_class.Config, gguf, gguf.architecture)
+    num_ctx = min(num_ctx, int(config.context_length))  # the runtime clamps it too
+    weights = backend.resident_bytes(model_class.tensor_plan(gguf))
     return MemoryEstimate(
-        weights=_weights(gguf),
-        kv_cache=_kv_cache(gguf, arch, num_ctx, num_parallel, num_batch),
-        compute=_compute(gguf, arch, num_batch, num_parallel),
+        weights=int(weights),
+        kv_cache=_kv_cache(backend, model_class.cache_layout(config), num_ctx, num_parallel, num_batch),
+        compute=_compute(gguf, gguf.architecture, num_batch, num_parallel),
     )
 
 
-def _weights(gguf: GGUFFile) -> int:
-    total = 0.0
-    for info in gguf.tensors.values():
-        count = 1
-        for dim in info.shape:
-            count *= dim
-        if len(info.shape) == 1:
-            total += 4 * count  # vectors: float32
-        elif info.name.startswith("token_embd") and "output.weight" in gguf.tensors:
-            continue  # an untied embedding is read from the file's map, a row at a time
-        elif info.qtype in FLOAT_TYPES:
-            total += 4 * count
-        elif info.name.startswith(("token_embd", "output.")):
-            total += INT4_BYTES_PER_WEIGHT * count  # the logits' 4-bit copy (exact rows come from the file)
-        elif info.qtype in INT4_TYPES:
-            total += INT4_BYTES_PER_WEIGHT * count
-        else:
-            total += count  # other quantized linears: int8 per row
-    return int(total)
-
-
-def _meta(gguf: GGUFFile, arch: str, key: str, default: Any = None) -> Any:
-    return gguf.get(f"{arch}.{key}", default)
-
-
-def _kv_cache(gguf: GGUFFile, arch: str, num_ctx: int, num_parallel: int, num_batch: int) -> int:
-    layers = int(_meta(gguf, arch, "block_count", 0))
-    heads = int(_meta(gguf, arch, "attention.head_count", 1))
-    kv_heads = int(_meta(gguf, arch, "attention.head_count_kv", heads) or heads)
-    embd = int(_meta(gguf, arch, "embedding_length", 0))
-    key_dim = int(_meta(gguf, arch, "attention.key_length", embd // max(heads, 1)))
-    value_dim = int(_meta(gguf, arch, "attention.value_length", key_dim))
-    window = _meta(gguf, arch, "attention.sliding_window")
-    per_cell = kv_heads * (key_dim + value_dim) * KV_BYTES
-    cells = num_ctx * num_parallel
-    if window:
-        # gemma3-style: 5 of every 6 layers keep only their window (plus a batch) per sequence.
-        local = layers - layers // 6
-        window_cells = min(cells, num_parallel * (int(window) + num_batch))
-        return per_cell * ((layers - local) * cells + local * window_cells)
-    return per_cell * layers * cells
+def _kv_cache(backend: Any, layers: list, num_ctx: int, num_parallel: int, num_batch: int) -> int:
+    num_cells, window_cells = runtime_cells(layers, num_ctx, num_parallel, num_batch)
+    cells = CausalCache.layer_cells(layers, num_cells, window_cells, num_parallel)
+    return sum(
+        backend.kv_buffer_bytes(keys) + backend.kv_buffer_bytes(values)
+        for keys, values in CausalCache.buffer_shapes(layers, cells)
+    )
 
 
 def _compute(gguf: GGUFFile, arch: str, num_batch: int, num_parallel: int) -> int:
-    embd = int(_meta(gguf, arch, "embedding_length", 0))
-    ffn = int(_meta(gguf, arch, "feed_forward_length", 4 * embd))
-    vocab = len(gguf.get("tokenizer.ggml.tokens", ())) or int(_meta(gguf, arch, "vocab_size", 32000))
+    embd = int(gguf.get(f"{arch}.embedding_length", 0))
+    ffn = int(gguf.get(f"{arch}.feed_forward_length", 4 * embd))
+    vocab = len(gguf.get("tokenizer.ggml.tokens", ())) or int(gguf.get(f"{arch}.vocab_size", 32000))
     activations = num_batch * (4 * embd + 3 * ffn) * 4
     logits = max(num_parallel, 1) * vocab * 4 * 2
     return activations + logits

@@ -3,6 +3,13 @@
 Model code only calls Context ops and never touches a backend's native tensors, so one model runs on
 any backend, and a backend is free to execute the recorded graph eagerly, compiled or as a replayed
 CUDA graph. Ops work on 2-D activations [tokens, features] unless the op says otherwise.
+
+What a backend hands back is torch: `run` and `compute` return `torch.Tensor`s on the backend's
+device (logits float32 or bfloat16 [rows, vocab]), and sampling, grammar masks and candidate
+ranking (`sample.py`, `grammar.py`, `topk.py`) work on them in place on that device. Model code
+stays backend-neutral; only the results are torch. A backend over another array library converts
+its outputs (`torch.from_dlpack` shares the memory) — torch is a dependency of corral either way,
+and one tensor type for sampling keeps a token's whole path on the device without copies.
 """
 
 from __future__ import annotations
@@ -70,7 +77,7 @@ class Context(Protocol):
     def gelu(self, x: Tensor, approximate: str = "tanh") -> Tensor: ...
 
     def compute(self, *outputs: Tensor) -> list[Any]:
-        """Run the graph and return the native tensors of `outputs`."""
+        """Run the graph and return `outputs` as torch tensors on the backend's device."""
 
 
 class Backend(Protocol):
@@ -90,7 +97,7 @@ class Backend(Protocol):
         """A fresh graph-building context; knowing the batch lets a backend keep each sequence's results batch-invariant."""
 
     def run(self, model: Any, batch: Any, cache: Any) -> Any:
-        """`model.forward` for `batch` over a prepared cache view, computed; the native logits.
+        """`model.forward` for `batch` over a prepared cache view, computed; the logits as a torch tensor.
 
         A backend may reuse the graph it recorded for an earlier batch of the same size, so a
         model's forward must build the same ops for batches of the same size, with batch values
@@ -108,3 +115,12 @@ class Backend(Protocol):
 
     def weight_bytes(self, weight: Any) -> int:
         """Memory a loaded weight occupies."""
+
+    def resident_bytes(self, tensors: Sequence[tuple[TensorInfo, str]]) -> int:
+        """Memory loading these (tensor, role) pairs would occupy, without loading them (the scheduler's estimate).
+
+        Raises UnsupportedTensorTypeError, as `load_tensor` would, for a type the backend cannot load.
+        """
+
+    def kv_buffer_bytes(self, shape: Sequence[int]) -> int:
+        """Memory `kv_buffer(shape)` would occupy."""

@@ -7,7 +7,10 @@ An architecture is a class with:
   built by `bind_tensors`;
 * `forward(ctx, batch, cache)` that only builds ops against the backend context and returns the
   logits of the rows in `batch.outputs`;
-* `cache_layers()` describing the KV cache it needs (one `CacheLayer` per block).
+* `cache_layout(config)` describing the KV cache it needs (one `CacheLayer` per block), from the
+  config alone, so the scheduler can size a model before loading it (`tensor_plan` does the same
+  for the weights);
+* optionally `default_chat_template()`, for files of the architecture that carry no template.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import attrs
 import numpy as np
 
 from corral.errors import GGUFError, MissingTensorError
-from corral.gguf import GGUFFile
+from corral.gguf import GGUFFile, TensorInfo
 
 _GGUF_KEY = "corral.gguf_key"
 _TENSOR = "corral.tensor"
@@ -90,11 +93,11 @@ def tensor(name: str, layer: type, *, fallback: str | None = None, optional: boo
 
 @attrs.define
 class TensorBinder:
-    """Loads the tensors a model declares, once each, through the backend."""
+    """Loads the tensors a model declares, once each, through the backend (None: only plans them)."""
 
     gguf: GGUFFile
     backend: Any
-    _loaded: dict[tuple[str, str], Any] = attrs.field(factory=dict)
+    loaded: dict[tuple[str, str], Any] = attrs.field(factory=dict)  # (GGUF name, role) -> the backend's tensor
 
     def bind(self, cls: type, prefix: str = "", **extra: Any) -> Any:
         """Instantiate `cls`, loading every `tensor(...)` field from `prefix + name`."""
@@ -132,9 +135,10 @@ class TensorBinder:
 
     def _load(self, full_name: str, role: str) -> Any:
         key = (full_name, role)
-        if key not in self._loaded:
-            self._loaded[key] = self.backend.load_tensor(self.gguf, self.gguf.tensors[full_name], role)
-        return self._loaded[key]
+        if key not in self.loaded:
+            info = self.gguf.tensors[full_name]
+            self.loaded[key] = None if self.backend is None else self.backend.load_tensor(self.gguf, info, role)
+        return self.loaded[key]
 
 
 class Model:
@@ -153,14 +157,37 @@ class Model:
     @classmethod
     def from_gguf(cls, gguf: GGUFFile, backend: Any) -> Model:
         """Build the config from metadata and bind the tensors through the backend."""
+        return cls._bind(gguf, TensorBinder(gguf, backend))
+
+    @classmethod
+    def tensor_plan(cls, gguf: GGUFFile) -> list[tuple[TensorInfo, str]]:
+        """Each GGUF tensor the model would load and the role it is loaded for, without loading any.
+
+        Raises what binding raises (missing metadata keys or tensors), so a file checked here binds.
+        """
+        binder = TensorBinder(gguf, None)
+        cls._bind(gguf, binder)
+        return [(gguf.tensors[name], role) for name, role in binder.loaded]
+
+    @classmethod
+    def _bind(cls, gguf: GGUFFile, binder: TensorBinder) -> Model:
         config = config_from_gguf(cls.Config, gguf, cls.architecture)
-        binder = TensorBinder(gguf, backend)
         blocks = tuple(binder.bind(cls.Block, f"blk.{i}.") for i in range(config.block_count))
         return binder.bind(cls, config=config, blocks=blocks)
 
-    def cache_layers(self) -> list[CacheLayer]:
-        """One CacheLayer per block."""
+    @classmethod
+    def default_chat_template(cls) -> str | None:
+        """The Jinja chat template for files of this architecture that carry none; None means ChatML."""
+        return None
+
+    @classmethod
+    def cache_layout(cls, config: Any) -> list[CacheLayer]:
+        """One CacheLayer per block, from the config alone."""
         raise NotImplementedError
+
+    def cache_layers(self) -> list[CacheLayer]:
+        """One CacheLayer per block of this model."""
+        return self.cache_layout(self.config)
 
     def forward(self, ctx: Any, batch: Batch, cache: Any) -> Any:
         """Build the graph for `batch` and return the logits of `batch.outputs` rows [k, vocab]."""

@@ -15,6 +15,8 @@ import attrs
 import pluggy
 
 from corral import hookspecs
+from corral.errors import CorralError, UnknownArchitectureError
+from corral.gguf import GGUFFile
 
 ENTRY_POINT_GROUP = "corral"
 ALLOW_ENV = "CORRAL_LOAD_PLUGINS"
@@ -68,6 +70,29 @@ class Plugins:
     def backends(self) -> dict[str, Any]:
         """Backend name -> backend class."""
         return self._collect("register_backends")
+
+    def architecture_for(self, gguf: GGUFFile) -> type:
+        """The model class for the file's `general.architecture`; UnknownArchitectureError if none is installed."""
+        architectures = self.architectures()
+        if gguf.architecture not in architectures:
+            known = ", ".join(sorted(architectures)) or "none"
+            raise UnknownArchitectureError(
+                f"{gguf.path}: architecture '{gguf.architecture}' is not supported (known: {known}); "
+                "a plugin package may provide it (see `corral plugins`)"
+            )
+        return architectures[gguf.architecture]
+
+    def open_backend(self, name: str | None = None, *, device: str | None = None, precision: str = "auto") -> Any:
+        """A new instance of the installed backend `name`; by default the one with the highest `priority`.
+
+        A backend class may set `priority` (an int, 0 when absent); ties go to the first name in order.
+        """
+        backends = self.backends()
+        if name is None and backends:
+            name = max(sorted(backends), key=lambda key: getattr(backends[key], "priority", 0))
+        if name not in backends:
+            raise CorralError(f"backend '{name}' is not installed (installed: {', '.join(sorted(backends)) or 'none'})")
+        return backends[name](device=device, precision=precision)
 
     def samplers(self) -> dict[str, Any]:
         """Sampler name -> sampler class."""

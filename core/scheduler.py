@@ -200,7 +200,7 @@ class Scheduler:
             if entry is None:
                 num_ctx = wanted.get("num_ctx") or self.default_num_ctx
                 need = await trio.to_thread.run_sync(
-                    memory.estimate, path, num_ctx, self.num_parallel, wanted.get("num_batch") or 512
+                    memory.estimate, path, num_ctx, self.num_parallel, wanted.get("num_batch") or 512, self.plugins
                 )
                 await self._make_room(need.total)
                 entry = await self._load(canonical, path, wanted)

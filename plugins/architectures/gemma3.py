@@ -6,6 +6,7 @@ The file's norm weights already include Gemma's `1 +`, so they are used as store
 
 from __future__ import annotations
 
+import importlib.resources
 import math
 
 import attrs
@@ -90,8 +91,13 @@ class Gemma3Model(Model):
     output_norm: RMSNorm = tensor("output_norm", RMSNorm)
     output: Logits = tensor("output", Logits, fallback="token_embd")
 
-    def cache_layers(self):
-        cfg = self.config
+    @classmethod
+    def default_chat_template(cls) -> str:
+        """Gemma's turns: the file carries no template."""
+        return (importlib.resources.files(__package__) / "templates" / "gemma.jinja").read_text(encoding="utf-8")
+
+    @classmethod
+    def cache_layout(cls, cfg: Gemma3Config) -> list[CacheLayer]:
         return [
             CacheLayer(cfg.head_count_kv, cfg.key_length, cfg.value_length, cfg.sliding_window if cfg.is_sliding(i) else None)
             for i in range(cfg.block_count)

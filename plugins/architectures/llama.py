@@ -81,9 +81,9 @@ class LlamaModel(Model):
     output_norm: RMSNorm = tensor("output_norm", RMSNorm)
     output: Logits = tensor("output", Logits, fallback="token_embd")
 
-    def cache_layers(self):
-        cfg = self.config
-        return [CacheLayer(cfg.kv_heads, cfg.head_dim, cfg.head_dim) for _ in self.blocks]
+    @classmethod
+    def cache_layout(cls, cfg: LlamaConfig) -> list[CacheLayer]:
+        return [CacheLayer(cfg.kv_heads, cfg.head_dim, cfg.head_dim) for _ in range(cfg.block_count)]
 
     def shift_keys(self, ctx, layer, keys, delta):
         return ctx.rope(keys, delta, **self.config.rope())

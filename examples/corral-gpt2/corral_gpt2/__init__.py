@@ -68,9 +68,9 @@ class GPT2Model(Model):
     output_norm: LayerNorm = tensor("output_norm", LayerNorm)
     output: Logits = tensor("output", Logits, fallback="token_embd")
 
-    def cache_layers(self):
-        cfg = self.config
-        return [CacheLayer(cfg.head_count, cfg.head_dim, cfg.head_dim) for _ in self.blocks]
+    @classmethod
+    def cache_layout(cls, cfg):
+        return [CacheLayer(cfg.head_count, cfg.head_dim, cfg.head_dim) for _ in range(cfg.block_count)]
 
     def forward(self, ctx, batch: Batch, cache):
         # Positions past context_length have no row in position_embd; the runtime caps num_ctx there.

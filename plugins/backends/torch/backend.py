@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Any, Sequence
 
@@ -21,6 +22,7 @@ from corral.plugins.backends.torch.int4_packing import pack_int4_for_cpu, pack_i
 from corral.plugins.backends.torch.layouts import DenseWeight, Int4Blocks, Int4Weight, Int8Weight, MappedRows, RescoredLogits, requantized_int4
 
 INT4_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q4_K})
+HALF_SCALE_TYPES = frozenset({Q.Q4_0, Q.Q4_1})  # their scales and mins are float16 in the file: exact in it
 FLOAT_TYPES = frozenset({Q.F32, Q.F16, Q.BF16})
 PRECISIONS = ("auto", "fp32")
 
@@ -30,6 +32,31 @@ def _raw_tensor(gguf: GGUFFile, info: TensorInfo) -> torch.Tensor:
         # The mapping is read-only; conversions below always produce new tensors.
         warnings.simplefilter("ignore", UserWarning)
         return torch.from_numpy(gguf.raw(info.name))
+
+
+def approximates_in_int4(rows: int, cols: int) -> bool:
+    """Whether the vocabulary projection's approximate copy is int4 (the CPU int4 kernels' shapes), else int8."""
+    return rows % 16 == 0 and cols % INT4_GROUP == 0
+
+
+def predicted_bytes(layout: str, info: TensorInfo) -> int:
+    """Bytes of one tensor in a non-dense `layout` (see `TorchBackend.layout`), from its type and shape."""
+    count = math.prod(info.shape)
+    rows, cols = (info.shape[0], count // info.shape[0]) if info.shape else (1, 1)
+    groups = count // INT4_GROUP
+    if layout == "vector":
+        return 4 * count
+    if layout == "mapped":
+        return 0  # the file's pages
+    if layout == "int4_blocks":  # nibbles, a scale and a min per group (float16 where exact in it)
+        return count // 2 + 2 * groups * (2 if info.qtype in HALF_SCALE_TYPES else 4)
+    if layout == "int4_packed":  # nibbles, bf16 scale and zero per group
+        return count // 2 + 2 * groups * 2
+    if layout == "rescored":  # the approximate copy: int4 with 16-bit group values, else int8 (rows from the file)
+        return count // 2 + 2 * groups * 2 if approximates_in_int4(rows, cols) else count + 2 * rows
+    if layout == "int8":  # codes and a bf16 scale per row
+        return count + 2 * rows
+    raise ValueError(f"unknown layout {layout!r}")
 
 
 class TorchBackend:
@@ -51,28 +78,63 @@ class TorchBackend:
 
     def load_tensor(self, gguf: GGUFFile, info: TensorInfo, role: str) -> Any:
         """Convert one GGUF tensor for `role` ("linear", "logits", "embedding" or "vector")."""
-        if info.qtype not in DEQUANTIZERS:
-            raise UnsupportedTensorTypeError(
-                f"{gguf.path}: tensor '{info.name}' has type {getattr(info.qtype, 'name', info.qtype)}, which the "
-                f"torch backend cannot load (it loads {', '.join(t.name for t in DEQUANTIZERS)})"
-            )
+        layout = self.layout(info, role, gguf.path)
         raw = _raw_tensor(gguf, info)
         cols = info.shape[-1]
         cpu = self.device.type == "cpu"
-        if role == "vector":
+        if layout == "vector":
             return dequantize(raw, info.qtype, cols).reshape(info.shape).to(self.device)
-        if role == "embedding" and cpu:
+        if layout == "mapped":
             return MappedRows(raw, info.qtype, cols)
-        if role == "linear" and self._keeps_int4(info):
+        if layout in ("int4_blocks", "int4_packed"):
             codes, scales, mins = int4_blocks(raw, info.qtype, cols)
             return self._pack_int4(codes, scales, mins, MappedRows(raw, info.qtype, cols) if cpu else None)
-        if self._keeps_int8(info) and cpu:
-            if role == "logits":
-                return RescoredLogits(self._approximate_logits(raw, info), MappedRows(raw, info.qtype, cols))
+        if layout == "rescored":
+            return RescoredLogits(self._approximate_logits(raw, info), MappedRows(raw, info.qtype, cols))
+        if layout == "int8":
             return Int8Weight.from_gguf(raw, info.qtype, cols)
-        dtype = torch.float32 if role in ("logits", "embedding") else self.dense_dtype
-        dense = self._dequantized(info, raw, dtype)
+        dense = self._dequantized(info, raw, self._dense_dtype(role))
         return dense if role == "embedding" else DenseWeight(dense)
+
+    def layout(self, info: TensorInfo, role: str, path: Any = "") -> str:
+        """Which layout `load_tensor` gives the tensor for `role`: the one decision both it and `resident_bytes` use."""
+        if info.qtype not in DEQUANTIZERS:
+            raise UnsupportedTensorTypeError(
+                f"{path}: tensor '{info.name}' has type {getattr(info.qtype, 'name', info.qtype)}, which the "
+                f"torch backend cannot load (it loads {', '.join(t.name for t in DEQUANTIZERS)})"
+            )
+        cpu = self.device.type == "cpu"
+        if role == "vector":
+            return "vector"
+        if role == "embedding" and cpu:
+            return "mapped"
+        if role == "linear" and self._keeps_int4(info):
+            return "int4_blocks" if cpu and Int4Blocks.takes(*info.shape) else "int4_packed"
+        if self._keeps_int8(info) and cpu:
+            return "rescored" if role == "logits" else "int8"
+        return "dense"
+
+    def resident_bytes(self, tensors: Sequence[tuple[TensorInfo, str]]) -> int:
+        """Memory loading these (tensor, role) pairs would occupy, predicted from types and shapes alone."""
+        dense_seen, total = set(), 0
+        for info, role in tensors:
+            layout = self.layout(info, role)
+            if layout == "dense":
+                key = f"{info.name}:{self._dense_dtype(role)}"  # one dense copy serves a tied embedding's roles
+                if key in dense_seen:
+                    continue
+                dense_seen.add(key)
+                total += math.prod(info.shape) * self._dense_dtype(role).itemsize
+            else:
+                total += predicted_bytes(layout, info)
+        return total
+
+    def kv_buffer_bytes(self, shape: Sequence[int]) -> int:
+        """Memory `kv_buffer(shape)` occupies."""
+        return math.prod(shape) * self.kv_dtype.itemsize
+
+    def _dense_dtype(self, role: str) -> torch.dtype:
+        return torch.float32 if role in ("logits", "embedding") else self.dense_dtype
 
     def _dequantized(self, info: TensorInfo, raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         # A tied embedding is bound as "embedding" and as "logits": one dense copy serves both.
@@ -89,10 +151,9 @@ class TorchBackend:
         return info.shape[0] % rows_multiple == 0 and info.shape[1] % INT4_GROUP == 0
 
     def _approximate_logits(self, raw: torch.Tensor, info: TensorInfo) -> Int4Weight | Int8Weight:
-        rows, cols = info.shape
-        if rows % 16 == 0 and cols % INT4_GROUP == 0:  # the CPU int4 kernel's shapes
-            return requantized_int4(raw, info.qtype, cols)
-        return Int8Weight.from_gguf(raw, info.qtype, cols)
+        if approximates_in_int4(*info.shape):
+            return requantized_int4(raw, info.qtype, info.shape[-1])
+        return Int8Weight.from_gguf(raw, info.qtype, info.shape[-1])
 
     def _keeps_int8(self, info: TensorInfo) -> bool:
         # Quantized files hold at most 8 bits a weight: int8 per row loses little of it. Float
