@@ -1,4 +1,11 @@
-"""Shared fixtures: paths to the real models and to the llama.cpp / transformers references."""
+"""Shared fixtures: paths to the real models and to the llama.cpp / transformers references.
+
+Every test that needs a real model pulled into the store is marked `real_model`, so
+`pytest -m "not real_model"` is a fast subset that runs offline with an empty store. Tests using
+`smollm2_path` or `gemma3_path` (directly or through any fixture built on them: `seeded_store_root`,
+`server`, ...) get the mark from `pytest_collection_modifyitems`; the few that reach a real model
+another way carry it explicitly.
+"""
 
 import json
 import os
@@ -12,6 +19,15 @@ import pytest
 os.environ.setdefault("CORRAL_RUNNER", "inprocess")
 
 REFERENCE = pathlib.Path(__file__).resolve().parent / "reference"
+
+# Fixtures that pull a real model into the store; everything that needs a real model depends on one.
+REAL_MODEL_FIXTURES = frozenset({"smollm2_path", "gemma3_path"})
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if REAL_MODEL_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.real_model)
 
 
 def _real_model(name: str) -> pathlib.Path:
