@@ -1,4 +1,5 @@
-"""Shared fixtures: paths to the real models and to the llama.cpp / transformers references.
+"""Shared fixtures: the real models (and stores and servers over them) and the llama.cpp /
+transformers references.
 
 Every test that needs a real model pulled into the store is marked `real_model`, so
 `pytest -m "not real_model"` is a fast subset that runs offline with an empty store. Tests using
@@ -10,6 +11,7 @@ another way carry it explicitly.
 import json
 import os
 import pathlib
+import shutil
 
 import numpy as np
 import pytest
@@ -28,6 +30,9 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if REAL_MODEL_FIXTURES.intersection(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.real_model)
+
+
+# --- the real models -------------------------------------------------------------------------------
 
 
 def _real_model(name: str) -> pathlib.Path:
@@ -55,28 +60,55 @@ def reference_logits(model: str, index: int) -> dict[str, np.ndarray]:
 
 
 @pytest.fixture(scope="session")
+def load_once():
+    """`load(path, precision="auto")`: `load_model`, each path and precision loaded once per session.
+
+    Weights are read-only once loaded, so every test may share them; a KV cache stays per test.
+    """
+    from corral.engine import load_model
+
+    loaded = {}
+
+    def load(path, precision: str = "auto"):
+        key = (str(path), precision)
+        if key not in loaded:
+            loaded[key] = load_model(path, precision=precision)
+        return loaded[key]
+
+    return load
+
+
+@pytest.fixture
+def runtime_loads_once(monkeypatch, load_once):
+    """`Runtime.open` runs as usual but takes its model from `load_once` (its cache is its own)."""
+    import corral.runner.runtime as runtime_module
+
+    monkeypatch.setattr(runtime_module, "load_model", lambda model, precision="auto", **_: load_once(model, precision))
+
+
+def copy_store(root: pathlib.Path, to: pathlib.Path) -> pathlib.Path:
+    """A private copy of the store at `root` (hard links: blobs are never written in place)."""
+    shutil.copytree(root, to, copy_function=os.link)
+    return to
+
+
+@pytest.fixture(scope="session")
 def seeded_store_root(tmp_path_factory, smollm2_path, gemma3_path) -> pathlib.Path:
     """A private model store holding the two real models (hard links into the default store)."""
-    import os
-    import shutil
-
     from corral import store
 
-    root = tmp_path_factory.mktemp("store") / "models"
-    shutil.copytree(store.default_store().root, root, copy_function=os.link)
-    return root
+    return copy_store(store.default_store().root, tmp_path_factory.mktemp("store") / "models")
+
+
+async def _serve(root: pathlib.Path, nursery) -> str:
+    from corral.server.serve import serve
+    from corral.store import Store
+
+    address = await nursery.start(serve, "127.0.0.1", 0, Store(root))
+    return f"http://{address}"
 
 
 @pytest.fixture
 async def server(seeded_store_root, tmp_path, nursery):
     """A live corral server on a free loopback port over a fresh copy of the seeded store; yields its URL."""
-    import os
-    import shutil
-
-    from corral.server.serve import serve
-    from corral.store import Store
-
-    root = tmp_path / "models"
-    shutil.copytree(seeded_store_root, root, copy_function=os.link)
-    address = await nursery.start(serve, "127.0.0.1", 0, Store(root))
-    yield f"http://{address}"
+    yield await _serve(copy_store(seeded_store_root, tmp_path / "models"), nursery)
