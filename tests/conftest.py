@@ -1,5 +1,5 @@
-"""Shared fixtures: the real models (and stores and servers over them) and the llama.cpp /
-transformers references.
+"""Shared fixtures: the real models (and stores and servers over them), a store of tiny synthetic
+models (and a server over it), and the llama.cpp / transformers references.
 
 Every test that needs a real model pulled into the store is marked `real_model`, so
 `pytest -m "not real_model"` is a fast subset that runs offline with an empty store. Tests using
@@ -112,3 +112,36 @@ async def _serve(root: pathlib.Path, nursery) -> str:
 async def server(seeded_store_root, tmp_path, nursery):
     """A live corral server on a free loopback port over a fresh copy of the seeded store; yields its URL."""
     yield await _serve(copy_store(seeded_store_root, tmp_path / "models"), nursery)
+
+
+# --- tiny synthetic models -------------------------------------------------------------------------
+
+TINY_LLAMA = "tiny-llama:latest"
+TINY_GEMMA3 = "tiny-gemma3:latest"
+# A ChatML template, as smollm2's, so a tiny model chats and `show` has a template to report.
+CHATML = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="session")
+def tiny_store_root(tmp_path_factory) -> pathlib.Path:
+    """A model store of tiny random models, created as `corral create` would: a llama with a ChatML
+    template and a gemma3 without one. No real model is needed and any test may load them in a blink."""
+    from tiny_gguf import write_tiny_gemma3, write_tiny_llama
+
+    from corral.modelfile import ModelSpec, create_model
+    from corral.store import Store
+
+    files = tmp_path_factory.mktemp("tiny-gguf")
+    store = Store(tmp_path_factory.mktemp("tiny-store") / "models")
+    create_model(store, TINY_LLAMA, ModelSpec(gguf_path=write_tiny_llama(files / "llama.gguf"), template=CHATML))
+    create_model(store, TINY_GEMMA3, ModelSpec(gguf_path=write_tiny_gemma3(files / "gemma3.gguf")))
+    return store.root
+
+
+@pytest.fixture
+async def tiny_server(tiny_store_root, tmp_path, nursery):
+    """A live corral server like `server`, over a fresh copy of the tiny store; yields its URL."""
+    yield await _serve(copy_store(tiny_store_root, tmp_path / "models"), nursery)
