@@ -145,3 +145,14 @@ def tiny_store_root(tmp_path_factory) -> pathlib.Path:
 async def tiny_server(tiny_store_root, tmp_path, nursery):
     """A live corral server like `server`, over a fresh copy of the tiny store; yields its URL."""
     yield await _serve(copy_store(tiny_store_root, tmp_path / "models"), nursery)
+
+
+# --- plugins ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def no_allow_list_from_the_environment(monkeypatch):
+    """CORRAL_LOAD_PLUGINS unset, so a developer's allow-list does not change what loads."""
+    from corral.registry import ALLOW_ENV
+
+    monkeypatch.delenv(ALLOW_ENV, raising=False)
