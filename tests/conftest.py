@@ -19,6 +19,10 @@ import pytest
 # Server tests run models in-process (fast, and test-registered plugins apply); the runner-process
 # tests and the fault tests ask for CORRAL_RUNNER=process themselves.
 os.environ.setdefault("CORRAL_RUNNER", "inprocess")
+# OpenMP workers sleep between parallel regions instead of spinning (set before torch loads OpenMP;
+# runner processes inherit it). On a machine whose cores other jobs share, a spinning thread waits for
+# a descheduled one: the samplers' tests took 40 s instead of 2 there. `OMP_WAIT_POLICY=active` restores it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 REFERENCE = pathlib.Path(__file__).resolve().parent / "reference"
 
