@@ -36,6 +36,14 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.real_model)
 
 
+@pytest.fixture(autouse=True)
+def unmarked_tests_see_an_empty_store(request, monkeypatch):
+    """A test not marked real_model gets an empty default store (its own fixtures may still set one), so
+    a test that reaches a real model without the mark fails on every machine, not only on a fresh one."""
+    if request.node.get_closest_marker("real_model") is None:
+        monkeypatch.setenv("CORRAL_MODELS", str(request.getfixturevalue("tmp_path") / "empty-store"))
+
+
 # --- the real models -------------------------------------------------------------------------------
 
 
