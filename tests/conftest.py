@@ -20,8 +20,9 @@ import pytest
 # tests and the fault tests ask for CORRAL_RUNNER=process themselves.
 os.environ.setdefault("CORRAL_RUNNER", "inprocess")
 # OpenMP workers sleep between parallel regions instead of spinning (set before torch loads OpenMP;
-# runner processes inherit it). On a machine whose cores other jobs share, a spinning thread waits for
-# a descheduled one: the samplers' tests took 40 s instead of 2 there. `OMP_WAIT_POLICY=active` restores it.
+# runner processes inherit it): on cores that other jobs share, a spinning thread burns its time slice
+# waiting for a descheduled one, and tests of small tensors run many times slower. Set
+# OMP_WAIT_POLICY=active to measure the other way.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 REFERENCE = pathlib.Path(__file__).resolve().parent / "reference"
@@ -75,7 +76,8 @@ def reference_logits(model: str, index: int) -> dict[str, np.ndarray]:
 def load_once():
     """`load(path, precision="auto")`: `load_model`, each path and precision loaded once per session.
 
-    Weights are read-only once loaded, so every test may share them; a KV cache stays per test.
+    Weights are read-only once loaded, so every test may share them; a KV cache stays per test. (A
+    `use_template` call, as `Runtime.open(template=...)` makes, would change the model for later tests.)
     """
     from corral.engine import load_model
 
