@@ -1,8 +1,17 @@
-"""Shared fixtures: paths to the real models and to the llama.cpp / transformers references."""
+"""Shared fixtures: the real models (and stores and servers over them), a store of tiny synthetic
+models (and a server over it), and the llama.cpp / transformers references.
+
+Every test that needs a real model pulled into the store is marked `real_model`, so
+`pytest -m "not real_model"` is a fast subset that runs offline with an empty store. Tests using
+`smollm2_path` or `gemma3_path` (directly or through any fixture built on them: `seeded_store_root`,
+`server`, ...) get the mark from `pytest_collection_modifyitems`; the few that reach a real model
+another way carry it explicitly.
+"""
 
 import json
 import os
 import pathlib
+import shutil
 
 import numpy as np
 import pytest
@@ -10,8 +19,33 @@ import pytest
 # Server tests run models in-process (fast, and test-registered plugins apply); the runner-process
 # tests and the fault tests ask for CORRAL_RUNNER=process themselves.
 os.environ.setdefault("CORRAL_RUNNER", "inprocess")
+# OpenMP workers sleep between parallel regions instead of spinning (set before torch loads OpenMP;
+# runner processes inherit it): on cores that other jobs share, a spinning thread burns its time slice
+# waiting for a descheduled one, and tests of small tensors run many times slower. Set
+# OMP_WAIT_POLICY=active to measure the other way.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 REFERENCE = pathlib.Path(__file__).resolve().parent / "reference"
+
+# Fixtures that pull a real model into the store; everything that needs a real model depends on one.
+REAL_MODEL_FIXTURES = frozenset({"smollm2_path", "gemma3_path"})
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if REAL_MODEL_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.real_model)
+
+
+@pytest.fixture(autouse=True)
+def unmarked_tests_see_an_empty_store(request, monkeypatch):
+    """A test not marked real_model gets an empty default store (its own fixtures may still set one), so
+    a test that reaches a real model without the mark fails on every machine, not only on a fresh one."""
+    if request.node.get_closest_marker("real_model") is None:
+        monkeypatch.setenv("CORRAL_MODELS", str(request.getfixturevalue("tmp_path") / "empty-store"))
+
+
+# --- the real models -------------------------------------------------------------------------------
 
 
 def _real_model(name: str) -> pathlib.Path:
@@ -39,28 +73,100 @@ def reference_logits(model: str, index: int) -> dict[str, np.ndarray]:
 
 
 @pytest.fixture(scope="session")
+def load_once():
+    """`load(path, precision="auto")`: `load_model`, each path and precision loaded once per session.
+
+    Weights are read-only once loaded, so every test may share them; a KV cache stays per test. (A
+    `use_template` call, as `Runtime.open(template=...)` makes, would change the model for later tests.)
+    """
+    from corral.engine import load_model
+
+    loaded = {}
+
+    def load(path, precision: str = "auto"):
+        key = (str(path), precision)
+        if key not in loaded:
+            loaded[key] = load_model(path, precision=precision)
+        return loaded[key]
+
+    return load
+
+
+@pytest.fixture
+def runtime_loads_once(monkeypatch, load_once):
+    """`Runtime.open` runs as usual but takes its model from `load_once` (its cache is its own)."""
+    import corral.runner.runtime as runtime_module
+
+    monkeypatch.setattr(runtime_module, "load_model", lambda model, precision="auto", **_: load_once(model, precision))
+
+
+def copy_store(root: pathlib.Path, to: pathlib.Path) -> pathlib.Path:
+    """A private copy of the store at `root` (hard links: blobs are never written in place)."""
+    shutil.copytree(root, to, copy_function=os.link)
+    return to
+
+
+@pytest.fixture(scope="session")
 def seeded_store_root(tmp_path_factory, smollm2_path, gemma3_path) -> pathlib.Path:
     """A private model store holding the two real models (hard links into the default store)."""
-    import os
-    import shutil
-
     from corral import store
 
-    root = tmp_path_factory.mktemp("store") / "models"
-    shutil.copytree(store.default_store().root, root, copy_function=os.link)
-    return root
+    return copy_store(store.default_store().root, tmp_path_factory.mktemp("store") / "models")
+
+
+async def _serve(root: pathlib.Path, nursery) -> str:
+    from corral.server.serve import serve
+    from corral.store import Store
+
+    address = await nursery.start(serve, "127.0.0.1", 0, Store(root))
+    return f"http://{address}"
 
 
 @pytest.fixture
 async def server(seeded_store_root, tmp_path, nursery):
     """A live corral server on a free loopback port over a fresh copy of the seeded store; yields its URL."""
-    import os
-    import shutil
+    yield await _serve(copy_store(seeded_store_root, tmp_path / "models"), nursery)
 
-    from corral.server.serve import serve
+
+# --- tiny synthetic models -------------------------------------------------------------------------
+
+TINY_LLAMA = "tiny-llama:latest"
+TINY_GEMMA3 = "tiny-gemma3:latest"
+# A ChatML template, as smollm2's, so a tiny model chats and `show` has a template to report.
+CHATML = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="session")
+def tiny_store_root(tmp_path_factory) -> pathlib.Path:
+    """A model store of tiny random models, created as `corral create` would: a llama with a ChatML
+    template and a gemma3 without one. No real model is needed and any test may load them in a blink."""
+    from tiny_gguf import write_tiny_gemma3, write_tiny_llama
+
+    from corral.modelfile import ModelSpec, create_model
     from corral.store import Store
 
-    root = tmp_path / "models"
-    shutil.copytree(seeded_store_root, root, copy_function=os.link)
-    address = await nursery.start(serve, "127.0.0.1", 0, Store(root))
-    yield f"http://{address}"
+    files = tmp_path_factory.mktemp("tiny-gguf")
+    store = Store(tmp_path_factory.mktemp("tiny-store") / "models")
+    create_model(store, TINY_LLAMA, ModelSpec(gguf_path=write_tiny_llama(files / "llama.gguf"), template=CHATML))
+    create_model(store, TINY_GEMMA3, ModelSpec(gguf_path=write_tiny_gemma3(files / "gemma3.gguf")))
+    return store.root
+
+
+@pytest.fixture
+async def tiny_server(tiny_store_root, tmp_path, nursery):
+    """A live corral server like `server`, over a fresh copy of the tiny store; yields its URL."""
+    yield await _serve(copy_store(tiny_store_root, tmp_path / "models"), nursery)
+
+
+# --- plugins ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def no_allow_list_from_the_environment(monkeypatch):
+    """CORRAL_LOAD_PLUGINS unset, so a developer's allow-list does not change what loads."""
+    from corral.registry import ALLOW_ENV
+
+    monkeypatch.delenv(ALLOW_ENV, raising=False)

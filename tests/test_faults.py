@@ -2,7 +2,6 @@
 
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -16,6 +15,7 @@ import trio
 from corral.scheduler import Scheduler
 from corral.server.serve import serve
 from corral.store import MODEL_MEDIA_TYPE, Store
+from conftest import copy_store
 from tiny_gguf import write_tiny_llama
 
 
@@ -24,9 +24,7 @@ COUNTING = "1, 2, 3, 4, 5,"  # a raw prompt that keeps generating until num_pred
 
 @pytest.fixture
 def store(seeded_store_root, tmp_path) -> Store:
-    root = tmp_path / "models"
-    shutil.copytree(seeded_store_root, root, copy_function=os.link)
-    return Store(root)
+    return Store(copy_store(seeded_store_root, tmp_path / "models"))
 
 
 async def process_server(nursery, store) -> str:

@@ -11,11 +11,10 @@ import pytest
 import torch
 import trio
 
-import corral.runner.runtime as runtime_module
 from corral.grammar import GrammarMatcher, InvalidFormatError, compile_format, mask_logits
 from corral.runner.runtime import Runtime
 
-pytestmark = pytest.mark.real_model
+pytestmark = [pytest.mark.real_model, pytest.mark.usefixtures("runtime_loads_once")]
 
 PERSON = {
     "type": "object",
@@ -26,23 +25,6 @@ PERSON = {
 }
 ALICE = 'Give the JSON for Alice, who is 30 years old, with keys "name" and "age".'
 NUM_PREDICT = 48
-
-_LOADED: dict = {}
-_REAL_LOAD_MODEL = runtime_module.load_model
-
-
-@pytest.fixture(autouse=True)
-def load_each_model_once(monkeypatch):
-    """Runtime.open reuses one loaded model per path (weights are read-only; the cache is per runtime)."""
-
-    def load(model, precision="auto", **_):
-        key = (str(model), precision)
-        if key not in _LOADED:
-            _LOADED[key] = _REAL_LOAD_MODEL(model, precision=precision)
-        return _LOADED[key]
-
-    monkeypatch.setattr(runtime_module, "load_model", load)
-
 
 async def complete(rt: Runtime, prompt: str, options: dict, **kwargs):
     async with rt.generate(prompt, options, **kwargs) as stream:

@@ -15,6 +15,8 @@ from corral.plugins.architectures.llama import LlamaModel
 from corral.plugins.backends.torch import TorchBackend
 from corral.registry import ALLOW_ENV, Plugins
 
+pytestmark = pytest.mark.usefixtures("no_allow_list_from_the_environment")
+
 BUILT_INS = {"llama", "gemma3", "torch"}
 
 
@@ -60,11 +62,6 @@ def fake_distribution(tmp_path, monkeypatch) -> str:
     monkeypatch.syspath_prepend(str(tmp_path))
     yield module
     sys.modules.pop(module, None)
-
-
-@pytest.fixture(autouse=True)
-def no_allow_list_from_the_environment(monkeypatch):
-    monkeypatch.delenv(ALLOW_ENV, raising=False)
 
 
 def test_builtin_plugins_register_through_entry_points():

@@ -13,17 +13,10 @@ FP32_TOLERANCE = 1e-3  # of the largest reference logit's magnitude
 
 
 @pytest.fixture(scope="module")
-def loaded(smollm2_path, gemma3_path):
-    """Each real model in both precisions, loaded once for the module."""
+def loaded(smollm2_path, gemma3_path, load_once):
+    """`loaded(name, precision)`: a real model by short name, loaded once per session (see conftest.py)."""
     paths = {"smollm2": smollm2_path, "gemma3": gemma3_path}
-    cache = {}
-
-    def get(name, precision):
-        if (name, precision) not in cache:
-            cache[(name, precision)] = corral.load_model(paths[name], precision=precision)
-        return cache[(name, precision)]
-
-    return get
+    return lambda name, precision: load_once(paths[name], precision)
 
 
 def teacher_forced(model, ref):

@@ -2,7 +2,7 @@
 limits, prefix reuse, logprobs, chat and errors.
 
 Every test opens its own runtime inside its own Trio run; a model is loaded once per session (see
-`load_each_model_once`), so opening a runtime costs only its KV cache.
+`runtime_loads_once` in conftest.py), so opening a runtime costs only its KV cache.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import pytest
 import trio
 
 import corral.runner.batching as batching_module
-import corral.runner.runtime as runtime_module
 from corral.kvcache import CausalCache, shift_sequence
 from corral.model import Batch
 from corral.options import InvalidOptionError
@@ -23,24 +22,7 @@ from corral.runner.runtime import InvalidPromptError, Runtime
 from corral.runner.sequence import SequenceActor, truncate_prompt
 from corral.tokenizer import IncrementalDecoder
 
-pytestmark = pytest.mark.real_model
-
-_LOADED: dict = {}
-_REAL_LOAD_MODEL = runtime_module.load_model
-
-
-def load(path, precision: str = "auto"):
-    """The model at `path`, loaded once per session and precision."""
-    key = (str(path), precision)
-    if key not in _LOADED:
-        _LOADED[key] = _REAL_LOAD_MODEL(path, precision=precision)
-    return _LOADED[key]
-
-
-@pytest.fixture(autouse=True)
-def load_each_model_once(monkeypatch):
-    """Runtime.open runs as usual but reuses a loaded model (weights are read-only; the cache is per runtime)."""
-    monkeypatch.setattr(runtime_module, "load_model", lambda model, precision="auto", **_: load(model, precision))
+pytestmark = [pytest.mark.real_model, pytest.mark.usefixtures("runtime_loads_once")]
 
 
 @pytest.fixture
@@ -271,8 +253,8 @@ async def test_streamed_emoji_and_cjk_are_never_split(name, model_path):
     assert any(len(chunk.token_ids) > 1 for chunk in chunks), "some character should span tokens"
 
 
-def test_incremental_decoder_holds_byte_tokens_until_the_character_is_complete(gemma3_path):
-    tokenizer = load(gemma3_path).tokenizer
+def test_incremental_decoder_holds_byte_tokens_until_the_character_is_complete(gemma3_path, load_once):
+    tokenizer = load_once(gemma3_path).tokenizer
     ids = tokenizer.encode("🦙 日本語", add_special=False)
     assert [len(tokenizer.token_bytes(t)) for t in ids[:4]] == [1, 1, 1, 1], "gemma3 spells 🦙 in byte tokens"
     decoder = IncrementalDecoder(tokenizer)
@@ -280,8 +262,8 @@ def test_incremental_decoder_holds_byte_tokens_until_the_character_is_complete(g
     assert decoder.flush() == ""
 
 
-async def test_sequence_actor_sends_a_byte_split_character_with_all_its_tokens(gemma3_path):
-    tokenizer = load(gemma3_path).tokenizer
+async def test_sequence_actor_sends_a_byte_split_character_with_all_its_tokens(gemma3_path, load_once):
+    tokenizer = load_once(gemma3_path).tokenizer
     ids = tokenizer.encode("🦙 日本語", add_special=False)
     events_send, events = trio.open_memory_channel(EVENT_BUFFER + 2)
     seq = Sequence(id=0, prompt=[2], pending=[], position=1, sampler=None, events=events_send)
@@ -343,7 +325,7 @@ async def test_num_predict_minus_two_fills_the_context_then_stops(smollm2_path):
 
 
 @pytest.mark.parametrize("name", ["smollm2", "gemma3"])
-def test_context_shift_equals_translating_the_kept_tokens(name, model_path):
+def test_context_shift_equals_translating_the_kept_tokens(name, model_path, load_once):
     """After a shift, the next logits equal those of the unshifted cache with the kept head moved right.
 
     Attention under RoPE depends only on distances, so dropping [keep, keep + discard) and moving
@@ -352,7 +334,7 @@ def test_context_shift_equals_translating_the_kept_tokens(name, model_path):
     does not equal a fresh forward over the kept tokens: the tail's keys were computed while the
     dropped tokens were still in context, as in llama.cpp.)
     """
-    model = load(model_path, "fp32")
+    model = load_once(model_path, "fp32")
     ids = model.tokenize(STORY + " a wise and kind woman named Elara. She was a skilled healer and had many friends.")
     n, keep, discard = 30, 4, 12
     following = ids[n : n + 3]

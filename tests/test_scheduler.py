@@ -1,12 +1,10 @@
 """The scheduler on a live server: queue limits, keep-alive, eviction, reloads, memory-aware sizes."""
 
-import os
-import shutil
-
 import attrs
 import httpx
 import pytest
 import trio
+from conftest import copy_store
 
 from corral import memory
 from corral.scheduler import parse_keep_alive
@@ -17,9 +15,7 @@ from corral.store import Store
 async def start_server(nursery, seeded_store_root, tmp_path, monkeypatch, **env):
     for key, value in env.items():
         monkeypatch.setenv(key, str(value))
-    root = tmp_path / "models"
-    shutil.copytree(seeded_store_root, root, copy_function=os.link)
-    address = await nursery.start(serve, "127.0.0.1", 0, Store(root))
+    address = await nursery.start(serve, "127.0.0.1", 0, Store(copy_store(seeded_store_root, tmp_path / "models")))
     return f"http://{address}"
 
 

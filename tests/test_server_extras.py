@@ -1,4 +1,8 @@
-"""/health, /metrics, /api/tokenize, /api/detokenize and /openapi.json against a live server."""
+"""/health, /metrics, /api/tokenize, /api/detokenize and /openapi.json against a live server.
+
+The server holds the tiny synthetic models (`client`) but where a test checks a real tokenizer's ids
+(`real_client`).
+"""
 
 import types
 
@@ -6,6 +10,7 @@ import httpx
 import pytest
 import trio
 import trio.testing
+from conftest import TINY_LLAMA
 from prometheus_client.parser import text_string_to_metric_families
 
 from corral.runner.slots import SlotPool
@@ -44,7 +49,7 @@ def requests_total(samples: dict, endpoint: str, status: int) -> float:
 async def generate_three_tokens(client: httpx.AsyncClient) -> dict:
     response = await client.post(
         "/api/generate",
-        json={"model": "smollm2", "prompt": "Why is the sky blue?", "stream": False,
+        json={"model": TINY_LLAMA, "prompt": "Why is the sky blue?", "stream": False,
               "options": {"num_predict": 3, "temperature": 0}},
     )
     assert response.status_code == 200
@@ -52,7 +57,13 @@ async def generate_three_tokens(client: httpx.AsyncClient) -> dict:
 
 
 @pytest.fixture
-async def client(server):
+async def client(tiny_server):
+    async with httpx.AsyncClient(base_url=tiny_server, timeout=120) as client:
+        yield client
+
+
+@pytest.fixture
+async def real_client(server):
     async with httpx.AsyncClient(base_url=server, timeout=120) as client:
         yield client
 
@@ -72,7 +83,7 @@ async def test_health_is_ok_with_no_model_loaded(client):
 
 
 async def test_health_counts_loaded_models(client):
-    await client.post("/api/generate", json={"model": "smollm2"})  # an empty prompt only loads
+    await client.post("/api/generate", json={"model": TINY_LLAMA})  # an empty prompt only loads
     assert (await client.get("/health")).json()["models_loaded"] == 1
 
 
@@ -172,17 +183,17 @@ def test_apps_in_one_process_keep_separate_registries(tmp_path):
 
 
 # --- /api/tokenize, /api/detokenize --------------------------------------------------------
-async def test_tokenize_and_detokenize_round_trip(client):
-    tokens = (await client.post("/api/tokenize", json={"model": "smollm2", "content": "Hello world"})).json()
+async def test_tokenize_and_detokenize_round_trip(real_client):
+    tokens = (await real_client.post("/api/tokenize", json={"model": "smollm2", "content": "Hello world"})).json()
     assert tokens == {"tokens": [19556, 905]}
-    text = (await client.post("/api/detokenize", json={"model": "smollm2", "tokens": tokens["tokens"]})).json()
+    text = (await real_client.post("/api/detokenize", json={"model": "smollm2", "tokens": tokens["tokens"]})).json()
     assert text == {"content": "Hello world"}
 
 
-async def test_tokenize_reads_text_or_prompt_and_add_special(client):
+async def test_tokenize_reads_text_or_prompt_and_add_special(real_client):
     # gemma3 adds BOS (id 2) only when add_special is true.
-    by_text = await client.post("/api/tokenize", json={"model": "gemma3:270m", "text": "Hello"})
-    plain = await client.post("/api/tokenize", json={"model": "gemma3:270m", "prompt": "Hello", "add_special": False})
+    by_text = await real_client.post("/api/tokenize", json={"model": "gemma3:270m", "text": "Hello"})
+    plain = await real_client.post("/api/tokenize", json={"model": "gemma3:270m", "prompt": "Hello", "add_special": False})
     assert by_text.json()["tokens"] == [2] + plain.json()["tokens"]
 
 
@@ -191,12 +202,12 @@ async def test_tokenize_reads_text_or_prompt_and_add_special(client):
     [
         ("/api/tokenize", {"model": "no-such-model", "content": "hi"}, 404),
         ("/api/detokenize", {"model": "no-such-model", "tokens": [1]}, 404),
-        ("/api/tokenize", {"model": "smollm2", "content": 5}, 400),
-        ("/api/tokenize", {"model": "smollm2", "content": "hi", "add_special": "yes"}, 400),
-        ("/api/tokenize", {"model": "smollm2"}, 400),
-        ("/api/detokenize", {"model": "smollm2", "tokens": "19556"}, 400),
-        ("/api/detokenize", {"model": "smollm2", "tokens": [19556, "905"]}, 400),
-        ("/api/detokenize", {"model": "smollm2", "tokens": [10**9]}, 400),
+        ("/api/tokenize", {"model": TINY_LLAMA, "content": 5}, 400),
+        ("/api/tokenize", {"model": TINY_LLAMA, "content": "hi", "add_special": "yes"}, 400),
+        ("/api/tokenize", {"model": TINY_LLAMA}, 400),
+        ("/api/detokenize", {"model": TINY_LLAMA, "tokens": "200"}, 400),
+        ("/api/detokenize", {"model": TINY_LLAMA, "tokens": [200, "201"]}, 400),
+        ("/api/detokenize", {"model": TINY_LLAMA, "tokens": [10**9]}, 400),
     ],
 )
 async def test_tokenize_and_detokenize_reject_bad_requests(client, path, body, status):

@@ -1,4 +1,8 @@
-"""The OpenAI API on a live server, driven by the official `openai` client and raw HTTP."""
+"""The OpenAI API on a live server, driven by the official `openai` client and raw HTTP.
+
+What only exercises routing (models, errors) runs against the tiny synthetic store (`tiny_server`);
+what checks generated text runs on the real models (`server`).
+"""
 
 import json
 
@@ -6,6 +10,7 @@ import httpx
 import openai
 import pytest
 import trio
+from conftest import TINY_GEMMA3, TINY_LLAMA
 
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -171,36 +176,36 @@ async def test_completion_logprobs_are_parallel_lists(server):
     assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(4)]
 
 
-async def test_models_list_and_retrieve(server):
+async def test_models_list_and_retrieve(tiny_server):
     def run():
-        c = client(server)
+        c = client(tiny_server)
         listed = c.models.list().data
-        return listed, c.models.retrieve("gemma3:270m")
+        return listed, c.models.retrieve(TINY_GEMMA3)
 
     listed, one = await in_thread(run)
     ids = {model.id for model in listed}
-    assert {"smollm2:latest", "gemma3:270m"} <= ids
+    assert {TINY_LLAMA, TINY_GEMMA3} == ids
     assert all(model.object == "model" and model.owned_by == "library" and model.created > 1_600_000_000 for model in listed)
-    assert one.id == "gemma3:270m" and one.created == next(m.created for m in listed if m.id == "gemma3:270m")
+    assert one.id == TINY_GEMMA3 and one.created == next(m.created for m in listed if m.id == TINY_GEMMA3)
 
 
-async def test_retrieve_unknown_model_is_404(server):
+async def test_retrieve_unknown_model_is_404(tiny_server):
     with pytest.raises(openai.NotFoundError):
-        await in_thread(lambda: client(server).models.retrieve("no-such-model"))
-    async with httpx.AsyncClient(base_url=server) as http:
+        await in_thread(lambda: client(tiny_server).models.retrieve("no-such-model"))
+    async with httpx.AsyncClient(base_url=tiny_server) as http:
         assert_openai_error(await http.get("/v1/models/library/no-such:model"), 404, "not found")
 
 
-async def test_embeddings_are_not_supported_yet(server):
+async def test_embeddings_are_not_supported_yet(tiny_server):
     with pytest.raises(openai.BadRequestError, match="does not support embeddings"):
-        await in_thread(lambda: client(server).embeddings.create(model="smollm2", input="hello"))
+        await in_thread(lambda: client(tiny_server).embeddings.create(model=TINY_LLAMA, input="hello"))
 
 
-async def test_unknown_model_is_404(server):
+async def test_unknown_model_is_404(tiny_server):
     for call in (
-        lambda: client(server).chat.completions.create(model="no-such-model", messages=FRANCE),
-        lambda: client(server).completions.create(model="no-such-model", prompt="hi"),
-        lambda: client(server).embeddings.create(model="no-such-model", input="hi"),
+        lambda: client(tiny_server).chat.completions.create(model="no-such-model", messages=FRANCE),
+        lambda: client(tiny_server).completions.create(model="no-such-model", prompt="hi"),
+        lambda: client(tiny_server).embeddings.create(model="no-such-model", input="hi"),
     ):
         with pytest.raises(openai.NotFoundError, match="not found"):
             await in_thread(call)
@@ -210,39 +215,39 @@ async def test_unknown_model_is_404(server):
     ("body", "says"),
     [
         ({"messages": FRANCE}, "model is required"),
-        ({"model": "smollm2", "messages": FRANCE, "temperature": "hot"}, "temperature must be of type"),
-        ({"model": "smollm2", "messages": FRANCE, "temperature": 3}, "temperature must be between 0 and 2"),
-        ({"model": "smollm2", "messages": FRANCE, "top_logprobs": 21, "logprobs": True}, "top_logprobs"),
-        ({"model": "smollm2", "messages": FRANCE, "stop": [1]}, "stop must be"),
-        ({"model": "smollm2", "messages": []}, "at least one message"),
-        ({"model": "smollm2", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "not supported yet"),
-        ({"model": "smollm2", "messages": FRANCE, "response_format": {"type": "xml"}}, "response_format.type must be"),
+        ({"model": TINY_LLAMA, "messages": FRANCE, "temperature": "hot"}, "temperature must be of type"),
+        ({"model": TINY_LLAMA, "messages": FRANCE, "temperature": 3}, "temperature must be between 0 and 2"),
+        ({"model": TINY_LLAMA, "messages": FRANCE, "top_logprobs": 21, "logprobs": True}, "top_logprobs"),
+        ({"model": TINY_LLAMA, "messages": FRANCE, "stop": [1]}, "stop must be"),
+        ({"model": TINY_LLAMA, "messages": []}, "at least one message"),
+        ({"model": TINY_LLAMA, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "not supported yet"),
+        ({"model": TINY_LLAMA, "messages": FRANCE, "response_format": {"type": "xml"}}, "response_format.type must be"),
     ],
 )
-async def test_invalid_chat_requests_are_400(server, body, says):
-    assert_openai_error(await post(server, "/v1/chat/completions", json=body), 400, says)
+async def test_invalid_chat_requests_are_400(tiny_server, body, says):
+    assert_openai_error(await post(tiny_server, "/v1/chat/completions", json=body), 400, says)
 
 
-async def test_malformed_requests_are_openai_errors(server):
-    assert_openai_error(await post(server, "/v1/chat/completions", content=b"{not json"), 400, "invalid JSON")
-    assert_openai_error(await post(server, "/v1/completions", json={"model": "smollm2", "prompt": ["a", "b"]}), 400, "prompt")
-    async with httpx.AsyncClient(base_url=server) as http:
+async def test_malformed_requests_are_openai_errors(tiny_server):
+    assert_openai_error(await post(tiny_server, "/v1/chat/completions", content=b"{not json"), 400, "invalid JSON")
+    assert_openai_error(await post(tiny_server, "/v1/completions", json={"model": TINY_LLAMA, "prompt": ["a", "b"]}), 400, "prompt")
+    async with httpx.AsyncClient(base_url=tiny_server) as http:
         assert_openai_error(await http.get("/v1/chat/completions"), 405, "method")
     with pytest.raises(openai.BadRequestError, match="temperature"):
         await in_thread(
-            lambda: client(server).chat.completions.create(model="smollm2", messages=FRANCE, temperature="warm")
+            lambda: client(tiny_server).chat.completions.create(model=TINY_LLAMA, messages=FRANCE, temperature="warm")
         )
 
 
-async def test_error_after_streaming_began_is_a_final_error_event(server, monkeypatch):
+async def test_error_after_streaming_began_is_a_final_error_event(tiny_server, monkeypatch):
     from corral.runner.sequence import SequenceActor
 
     def broken(self):
         raise RuntimeError("the device fell over")
 
     monkeypatch.setattr(SequenceActor, "_final_chunk", broken)
-    body = {"model": "smollm2", "messages": FRANCE, "temperature": 0, "max_tokens": 3, "stream": True}
-    response = await post(server, "/v1/chat/completions", json=body)
+    body = {"model": TINY_LLAMA, "messages": FRANCE, "temperature": 0, "max_tokens": 3, "stream": True}
+    response = await post(tiny_server, "/v1/chat/completions", json=body)
     assert response.status_code == 200
     *events, error, done = sse_events(response.content)
     assert done == "[DONE]"
@@ -251,4 +256,4 @@ async def test_error_after_streaming_began_is_a_final_error_event(server, monkey
         "error": {"message": "internal error: the device fell over", "type": "server_error", "param": None, "code": None}
     }
     with pytest.raises(openai.APIError, match="the device fell over"):
-        await in_thread(lambda: list(client(server).chat.completions.create(**body)))
+        await in_thread(lambda: list(client(tiny_server).chat.completions.create(**body)))

@@ -18,15 +18,12 @@ from corral.registry import ALLOW_ENV, Plugins
 
 pytest.importorskip("corral_gpt2", reason="the example plugin is not installed: pip install -e examples/corral-gpt2")
 
+pytestmark = pytest.mark.usefixtures("no_allow_list_from_the_environment")
+
 
 @pytest.fixture
 def gpt2_path(tmp_path) -> str:
     return write_tiny_gpt2(tmp_path / "gpt2.gguf")
-
-
-@pytest.fixture(autouse=True)
-def no_allow_list_from_the_environment(monkeypatch):
-    monkeypatch.delenv(ALLOW_ENV, raising=False)
 
 
 def test_load_model_runs_gpt2_from_the_example_package(gpt2_path):
