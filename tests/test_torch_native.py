@@ -73,9 +73,18 @@ def test_disabled_native_kernels_leave_torchs_layouts(fresh_native, monkeypatch)
 
 def test_a_failing_compiler_falls_back_to_torch_with_a_warning(fresh_native, monkeypatch, caplog):
     monkeypatch.setenv("CC", "false")  # exits 1 whatever it is given
+    monkeypatch.setattr(torch_native, "_cpu_features", lambda: "flags\t\t: fpu avx2 avx512f avx512bw")
     with caplog.at_level(logging.WARNING, logger="corral.plugins.backends.torch.native"):
         assert torch_native.function("rms_norm") is None
     assert "not built" in caplog.text
+
+
+def test_without_avx512_no_compile_is_tried(fresh_native, monkeypatch, caplog):
+    monkeypatch.setenv("CC", "false")  # a compile attempt would fail with a warning
+    monkeypatch.setattr(torch_native, "_cpu_features", lambda: "flags\t\t: fpu sse2 avx2 fma")
+    with caplog.at_level(logging.INFO, logger="corral.plugins.backends.torch.native"):
+        assert torch_native.function("rms_norm") is None
+    assert "no AVX-512" in caplog.text and "not built" not in caplog.text
 
 
 # --- int4 blocks ------------------------------------------------------------------------------------

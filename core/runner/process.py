@@ -46,6 +46,7 @@ LOG_TAIL = 20
 # settings, and what torch, CUDA and the math libraries read. Secrets in the server's environment stay there.
 ENV_NAMES = frozenset({
     "PATH", "HOME", "USER", "LOGNAME", "TMPDIR", "TZ", "LANG", "LANGUAGE", "PYTHONPATH", "VIRTUAL_ENV",
+    "CC",  # the compiler the native kernels are built with
     "LD_LIBRARY_PATH",
 })
 ENV_PREFIXES = (

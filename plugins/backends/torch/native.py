@@ -60,6 +60,15 @@ def _cpu_features() -> str:
     return platform.processor()
 
 
+def _lacks_avx512() -> bool:
+    """Whether the CPU says it has no AVX-512 F and BW: then no kernel compiles (simd.h's #error), so none is tried.
+
+    Where the CPU does not say (no /proc/cpuinfo), the compiler finds out.
+    """
+    features = _cpu_features()
+    return features.startswith("flags") and not {"avx512f", "avx512bw"} <= set(features.split())
+
+
 def _compiler() -> str | None:
     return shutil.which(os.environ.get("CC") or "cc")
 
@@ -72,6 +81,9 @@ def _build(name: str) -> Path | None:
     source = SOURCE_DIR / f"{name}.c"
     compiler = _compiler()
     if compiler is None or platform.machine() not in ("x86_64", "AMD64"):
+        return None
+    if _lacks_avx512():
+        log.info("native kernel %s skipped: this CPU has no AVX-512; using torch's kernels", name)
         return None
     key = hashlib.sha256()
     headers = [path.read_bytes() for path in sorted(SOURCE_DIR.glob("*.h"))]
