@@ -13,6 +13,8 @@ import trio.testing
 from conftest import TINY_LLAMA
 from prometheus_client.parser import text_string_to_metric_families
 
+from corral.runner.batching import BatchStats
+from corral.runner.interface import RunnerStatus
 from corral.runner.slots import SlotPool
 from corral.scheduler import Scheduler
 from corral.server.app import create_app
@@ -139,17 +141,16 @@ async def test_gauges_read_the_loaded_runtime(client):
 
 
 def test_scheduler_collector_sums_over_runtimes():
-    def runtime(waiting, live, batch, used, pools):
-        return types.SimpleNamespace(
-            slots=types.SimpleNamespace(waiting=waiting),
-            live_sequences=lambda: live,
-            batcher=types.SimpleNamespace(stats=types.SimpleNamespace(last_batch_size=batch)),
-            cache=types.SimpleNamespace(used_cells=lambda: used, pools=[types.SimpleNamespace(num_cells=n) for n in pools]),
+    def runtime(waiting, live, batch, used, cells):
+        status = RunnerStatus(
+            num_ctx=512, num_parallel=4, num_batch=64, live_sequences=live, waiting=waiting,
+            cache_used_cells=used, cache_cells=cells, batch=BatchStats(last_batch_size=batch),
         )
+        return types.SimpleNamespace(status=lambda: status)
 
     loaded = {
-        "a": types.SimpleNamespace(runtime=runtime(2, 4, 7, 100, [1024, 512])),
-        "b": types.SimpleNamespace(runtime=runtime(1, 1, 3, 20, [2048])),
+        "a": types.SimpleNamespace(runtime=runtime(2, 4, 7, 100, 1536)),
+        "b": types.SimpleNamespace(runtime=runtime(1, 1, 3, 20, 2048)),
         "loading": types.SimpleNamespace(runtime=None),
     }
     families = SchedulerCollector(types.SimpleNamespace(loaded=loaded)).collect()
