@@ -87,7 +87,7 @@ class _TokenizerView:
 
 
 def ll_tokenizer(tokenizer: Tokenizer) -> llguidance.LLTokenizer:
-    """llguidance's view of `tokenizer`, built once per tokenizer (about 0.2 s for 49k tokens, 2 s for 262k)."""
+    """llguidance's view of `tokenizer`, built once per tokenizer (seconds for a large vocabulary)."""
     with _LL_TOKENIZERS_LOCK:
         built = _LL_TOKENIZERS.get(tokenizer)
         if built is None:
@@ -137,7 +137,7 @@ def mask_logits(logits: torch.Tensor, matchers: Sequence[GrammarMatcher]) -> tor
     vocab = matchers[0].vocab_size  # one model per runtime, so one tokenizer for every row
     bitmask = llguidance.numpy.allocate_token_bitmask(len(matchers), vocab)
     llguidance.numpy.fill_next_token_bitmask_par(_executor(), [(m.matcher, row) for row, m in enumerate(matchers)], bitmask)
-    # llguidance.torch's apply is torch.compile'd (about 30 s to compile on CPU): unpack the bits eagerly.
+    # llguidance.torch's apply is torch.compile'd (tens of seconds to compile on CPU): unpack the bits eagerly.
     words = torch.from_numpy(bitmask).to(logits.device)
     shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
     allowed = ((words[:, :, None] >> shifts) & 1).bool().flatten(1)

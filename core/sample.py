@@ -246,7 +246,7 @@ ARGMAX_BLOCK = 256
 
 def row_argmax(x: torch.Tensor) -> torch.Tensor:
     """x.argmax(dim=-1) (the first of tied maxima), in two stages over a large vocabulary: the first
-    block holding the row's maximum, then its first maximum (8 x 262144: 0.96 -> 0.10 ms)."""
+    block holding the row's maximum, then its first maximum (measured: BENCHMARKS.md, core/sample.py)."""
     rows, width = x.shape
     if width % ARGMAX_BLOCK or width < 16 * ARGMAX_BLOCK:
         return x.argmax(dim=-1)

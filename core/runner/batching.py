@@ -180,8 +180,8 @@ class BatchingActor:
 
     async def _await_arrivals(self) -> None:
         # Requests that come together finish tokenizing one by one: a step for the first alone and
-        # another for the rest costs more than one step for all of them (8 x 64-token prompts on
-        # smollm2: 0.67 vs 0.60 s). So after idling, wait briefly for those already on their way.
+        # another for the rest costs more than one step for all of them (measured: BENCHMARKS.md,
+        # core/runner/batching.py). So after idling, wait briefly for those already on their way.
         with trio.move_on_after(ARRIVAL_WAIT):
             while self.arriving > 0:
                 self._wake = trio.Event()

@@ -2,9 +2,9 @@
 
 torch's CPU kernels parallelise with OpenMP, and libgomp keeps a team of worker threads for every
 thread that has run a parallel region. Once two such threads exist there are more OpenMP threads
-than cores, libgomp stops spinning between regions, and every small op pays a thread wake-up:
-measured on 2 cores, an 8-row smollm2 decode step took 43 ms on the thread that loaded the model
-and 100 ms on another one. So all tensor work goes through this single thread, and Trio tasks
+than cores, libgomp stops spinning between regions, and every small op pays a thread wake-up
+(a decode step more than twice as slow on another thread; measured: BENCHMARKS.md,
+core/runner/compute.py). So all tensor work goes through this single thread, and Trio tasks
 await it without blocking the event loop.
 """
 
