@@ -9,7 +9,8 @@ import socket
 import pytest
 from click.testing import CliRunner
 
-from corral.cli import human_bytes, human_time, main
+from corral.cli import main
+from corral.cli.commands import human_bytes, human_time
 
 
 @pytest.fixture(autouse=True)
@@ -46,7 +47,7 @@ def test_run_accepts_a_gguf_path(smollm2_path):
 
 
 def test_run_interactive_chats_until_bye(smollm2_path, monkeypatch):
-    monkeypatch.setattr("corral.cli.stdin_is_interactive", lambda: True)
+    monkeypatch.setattr("corral.cli.commands.stdin_is_interactive", lambda: True)
     result = CliRunner().invoke(
         main,
         ["run", "smollm2", "--temperature", "0", "--num-predict", "12"],

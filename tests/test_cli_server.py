@@ -32,7 +32,7 @@ def cli(server, monkeypatch, tmp_path):
     monkeypatch.setenv("CORRAL_HOST", server.removeprefix("http://"))
     monkeypatch.setenv("CORRAL_MODELS", str(tmp_path / "empty-store"))  # the CLI's own store stays empty
     monkeypatch.setattr("corral.engine.load_model", _refuse_in_process)
-    monkeypatch.setattr("corral.cli._pull_in_process_if_missing", _refuse_in_process)
+    monkeypatch.setattr("corral.cli.commands._pull_in_process_if_missing", _refuse_in_process)
 
     async def invoke(*args, input=None):
         call = functools.partial(CliRunner().invoke, main, [str(a) for a in args], input=input, catch_exceptions=False)
@@ -43,7 +43,7 @@ def cli(server, monkeypatch, tmp_path):
 
 @pytest.fixture
 def interactive(monkeypatch):
-    monkeypatch.setattr("corral.cli.stdin_is_interactive", lambda: True)
+    monkeypatch.setattr("corral.cli.commands.stdin_is_interactive", lambda: True)
 
 
 # ---- against a live server --------------------------------------------------------------------
@@ -219,7 +219,7 @@ def scripted(monkeypatch):
 
     def install(routes: dict) -> ScriptedServer:
         scripted_server = ScriptedServer(routes)
-        monkeypatch.setattr("corral.cli.Client", functools.partial(Client, transport=httpx.MockTransport(scripted_server)))
+        monkeypatch.setattr("corral.cli.commands.Client", functools.partial(Client, transport=httpx.MockTransport(scripted_server)))
         return scripted_server
 
     return install

@@ -1,4 +1,4 @@
-"""The `corral` command line, shaped like Ollama's.
+"""The `corral` commands, shaped like Ollama's.
 
 Commands talk to the server at CORRAL_HOST (default 127.0.0.1:11434) over its REST API. With no
 server running, `run` and `pull` work in-process and `list`, `cp` and `rm` work on the store
@@ -791,6 +791,3 @@ def _processor(size: int, size_vram: int) -> str:
     gpu = round(size_vram * 100 / size)
     return f"{100 - gpu}%/{gpu}% CPU/GPU"
 
-
-if __name__ == "__main__":
-    main()
