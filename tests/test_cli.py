@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from corral.cli import main
-from corral.cli.commands import human_bytes, human_time
+from corral.cli.display import human_bytes, human_time
 
 
 @pytest.fixture(autouse=True)

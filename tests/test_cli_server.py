@@ -32,7 +32,7 @@ def cli(server, monkeypatch, tmp_path):
     monkeypatch.setenv("CORRAL_HOST", server.removeprefix("http://"))
     monkeypatch.setenv("CORRAL_MODELS", str(tmp_path / "empty-store"))  # the CLI's own store stays empty
     monkeypatch.setattr("corral.engine.load_model", _refuse_in_process)
-    monkeypatch.setattr("corral.cli.commands._pull_in_process_if_missing", _refuse_in_process)
+    monkeypatch.setattr("corral.cli.backends.pull_in_process_if_missing", _refuse_in_process)
 
     async def invoke(*args, input=None):
         call = functools.partial(CliRunner().invoke, main, [str(a) for a in args], input=input, catch_exceptions=False)
@@ -219,7 +219,9 @@ def scripted(monkeypatch):
 
     def install(routes: dict) -> ScriptedServer:
         scripted_server = ScriptedServer(routes)
-        monkeypatch.setattr("corral.cli.commands.Client", functools.partial(Client, transport=httpx.MockTransport(scripted_server)))
+        scripted_client = functools.partial(Client, transport=httpx.MockTransport(scripted_server))
+        for module in ("corral.cli.commands", "corral.cli.backends"):  # the commands' own clients, and running_server's
+            monkeypatch.setattr(f"{module}.Client", scripted_client)
         return scripted_server
 
     return install

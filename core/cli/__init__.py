@@ -1,4 +1,5 @@
-"""The `corral` command line (`corral.cli:main`)."""
+"""The `corral` command line: `commands` (the click group), `chat` (conversations and the `>>>` session),
+`backends` (answers from a server or from this process) and `display` (what it prints)."""
 
 from corral.cli.commands import main
 

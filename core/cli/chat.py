@@ -1,0 +1,212 @@
+"""A conversation with a model: its history and options, and the interactive `>>>` session with its /commands."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import attrs
+import click
+
+from corral.cli.backends import LocalChat, ServerChat
+from corral.cli.display import print_error, print_metrics, print_model_info
+from corral.client import ServerUnreachableError, typed_option
+from corral.errors import CorralError
+from corral.options import STANDARD_OPTIONS, InvalidOptionError, parse_options
+
+
+@attrs.define
+class ChatSession:
+    """One conversation: the backend answering it, the options and system message, and the history."""
+
+    backend: ServerChat | LocalChat
+    options: dict = attrs.field(factory=dict)
+    system: str | None = None
+    history: list[dict] = attrs.field(factory=list)
+    verbose: bool = False
+
+    def messages(self) -> list[dict]:
+        """What the next request sends: the system message, then the turns so far."""
+        system = [{"role": "system", "content": self.system}] if self.system else []
+        return system + self.history
+
+    def ask(self, text: str) -> str:
+        """Send a user turn, echo the reply as it streams, and keep both in the history."""
+        self.history.append({"role": "user", "content": text})
+        pieces: list[str] = []
+        try:
+            for piece in self.backend.stream(self.messages(), self.options):
+                pieces.append(piece)
+                click.echo(piece, nl=False)
+        except BaseException:
+            self.history.pop()  # an unanswered question would confuse the next turn
+            if pieces:
+                click.echo()
+            raise
+        click.echo()
+        reply = "".join(pieces)
+        self.history.append({"role": "assistant", "content": reply})
+        if self.verbose:
+            print_metrics(self.backend.metrics)
+        return reply
+
+
+INTERACTIVE_HELP = """Available Commands:
+  /set            Set session variables
+  /show           Show model information
+  /clear          Clear session context
+  /bye            Exit
+  /?, /help       Help for a command
+
+Use \"\"\" to begin a multi-line message."""
+
+SET_HELP = """Available Commands:
+  /set parameter NAME VALUE   Set a parameter (temperature, num_predict, seed, top_k, stop, ...)
+  /set system TEXT            Set the system message
+  /set format json            Answer in JSON
+  /set noformat               Answer in any format
+  /set verbose                Show timings after each answer
+  /set quiet                  Do not show timings"""
+
+SHOW_HELP = """Available Commands:
+  /show info         Show details for this model
+  /show license      Show model license
+  /show modelfile    Show Modelfile for this model
+  /show parameters   Show parameters for this model
+  /show system       Show system message
+  /show template     Show prompt template"""
+
+
+def chat_interactively(session: ChatSession) -> None:
+    """The `>>>` loop: messages (multi-line between \"\"\" lines) and /commands, until /bye or end of input."""
+    _enable_line_editing()
+    while True:
+        try:
+            line = _read(">>>")
+            if line.lstrip().startswith('"""'):
+                text = _read_multiline(line.lstrip()[3:])
+            elif line.strip().startswith("/"):
+                if not run_command(session, line.strip()):
+                    return
+                continue
+            else:
+                text = line.strip()
+        except (EOFError, click.Abort):
+            click.echo()
+            return
+        if not text:
+            continue
+        try:
+            session.ask(text)
+        except KeyboardInterrupt:
+            continue  # stop this answer, keep chatting
+        except ServerUnreachableError:
+            raise
+        except CorralError as exc:
+            print_error(exc)
+        click.echo()
+
+
+def _read(prompt: str) -> str:
+    return click.prompt(prompt, prompt_suffix=" ", default="", show_default=False)
+
+
+def _read_multiline(first: str) -> str:
+    lines, line = [], first
+    while not line.rstrip().endswith('"""'):
+        lines.append(line)
+        line = _read("...")
+    lines.append(line.rstrip()[:-3])
+    return "\n".join(lines).strip()
+
+
+def _enable_line_editing() -> None:
+    # input() gains arrow keys and a history of typed lines once readline is imported.
+    if sys.stdin.isatty():
+        try:
+            import readline  # noqa: F401
+        except ImportError:
+            pass
+
+
+def run_command(session: ChatSession, line: str) -> bool:
+    """Carry out one /command; False when the chat should end."""
+    command, *args = line.split()
+    if command in ("/bye", "/exit"):
+        return False
+    if command in ("/?", "/help"):
+        click.echo(SET_HELP if args[:1] == ["/set"] else SHOW_HELP if args[:1] == ["/show"] else INTERACTIVE_HELP)
+    elif command == "/clear":
+        session.history.clear()
+        click.echo("Cleared session context")
+    elif command == "/set":
+        _set(session, line.split(None, 2)[1:])
+    elif command == "/show":
+        _show(session, args[0] if args else "")
+    else:
+        click.echo(f"Unknown command '{command}'. Type /? for help")
+    if args[:1] != ["info"]:  # the info sections end with their own blank line
+        click.echo()
+    return True
+
+
+def _set(session: ChatSession, args: list[str]) -> None:
+    what = args[0] if args else ""
+    rest = args[1] if len(args) > 1 else ""
+    if what == "parameter":
+        name, _, value = rest.partition(" ")
+        try:
+            session.options[name] = _option_value(name, value.strip())
+        except InvalidOptionError as exc:
+            click.echo(f"Couldn't set parameter: {exc}")
+            return
+        click.echo(f"Set parameter '{name}' to '{value.strip()}'")
+    elif what == "system":
+        session.system = rest.strip().strip('"') or None
+        click.echo("Set system message.")
+    elif what in ("verbose", "quiet"):
+        session.verbose = what == "verbose"
+        click.echo("Set 'verbose' mode." if session.verbose else "Set 'quiet' mode.")
+    elif what in ("format", "noformat"):
+        if not isinstance(session.backend, ServerChat):
+            click.echo("Formats need a running server; start one with `corral serve`.")
+            return
+        session.backend.format = "json" if what == "format" else None
+        click.echo("Set format to 'json' mode." if what == "format" else "Disabled format.")
+    else:
+        click.echo(SET_HELP)
+
+
+def _option_value(name: str, text: str) -> Any:
+    """A `/set parameter` value typed and checked as the option wants it."""
+    field = STANDARD_OPTIONS.get(name)
+    if field is None:
+        raise InvalidOptionError(f"unknown parameter '{name}'")
+    if not text:
+        raise InvalidOptionError(f"give a value: /set parameter {name} VALUE")
+    value = typed_option(name, field.metadata["kind"], text)
+    parse_options({name: value})  # range checks
+    return value
+
+
+def _show(session: ChatSession, what: str) -> None:
+    if what not in ("info", "license", "modelfile", "parameters", "system", "template"):
+        click.echo(SHOW_HELP)
+        return
+    info = session.backend.describe()
+    if what == "info":
+        print_model_info(info)
+    elif what == "parameters":
+        model_parameters = (info.get("parameters") or "").strip()
+        if model_parameters:
+            click.echo("Model defined parameters:\n" + model_parameters)
+        if session.options:
+            click.echo("User defined parameters:")
+            for name, value in session.options.items():
+                click.echo(f"{name:<20}{value}")
+        if not model_parameters and not session.options:
+            click.echo("No parameters were specified for this model.")
+    elif what == "system":
+        click.echo(session.system or info.get("system") or "No system message was specified for this model.")
+    else:
+        click.echo(info.get(what) or f"No {what} was specified for this model.")
