@@ -24,7 +24,6 @@ import httpx
 
 from corral.address import DEFAULT_HOST, address_from_env
 from corral.errors import CorralError
-from corral.options import InvalidOptionError
 
 CONNECT_TIMEOUT = 5.0
 PROBE_TIMEOUT = 1.0
@@ -269,21 +268,3 @@ def modelfile_fields(path: str | os.PathLike, upload: Callable[[pathlib.Path], s
         fields["license"] = list(modelfile.license)
     return {key: value for key, value in fields.items() if value is not None}
 
-
-def typed_option(name: str, kind: Any, value: str) -> Any:
-    """An option's text (as typed after `/set parameter`) as the JSON value of its kind."""
-    try:
-        if kind is int:
-            return int(value)
-        if kind is float:
-            return float(value)
-        if kind is bool:
-            if value.lower() not in ("true", "false"):
-                raise ValueError(value)
-            return value.lower() == "true"
-        if kind == "strings":
-            return value.split()
-        return value
-    except ValueError:
-        kinds = {int: "an integer", float: "a number", bool: "true or false"}
-        raise InvalidOptionError(f"parameter {name!r} must be {kinds.get(kind, kind)}, got {value!r}") from None

@@ -34,7 +34,7 @@ import attrs
 
 from corral.errors import CorralError, GGUFError, ModelNotFoundError
 from corral.gguf import GGUFFile
-from corral.options import STANDARD_OPTIONS, InvalidOptionError, parse_options
+from corral.options import STANDARD_OPTIONS, InvalidOptionError, parse_option_text, parse_options
 from corral.store import (
     LICENSE_MEDIA_TYPE,
     MESSAGES_MEDIA_TYPE,
@@ -260,37 +260,14 @@ def _add_parameter(parameters: dict[str, Any], name: str, text: str, line: int) 
     if name in IGNORED_PARAMETERS:
         log.warning("Modelfile line %d: ignoring parameter %r, which corral does not use", line, name)
         return
-    field = STANDARD_OPTIONS.get(name)
-    if field is None:
-        raise ModelfileError(f"unknown parameter {name!r}: use one of {', '.join(STANDARD_OPTIONS)}", line)
-    kind = field.metadata["kind"]
     try:
-        value = _TEXT_CONVERTERS.get(kind, str)(text)
-        checked = _checked_parameters({name: value})[name]
-    except (ValueError, InvalidOptionError) as error:
-        raise ModelfileError(f"PARAMETER {name} {text!r}: {_reason(error, kind)}", line) from None
-    if kind == "strings":
-        parameters.setdefault(name, []).extend(checked)
+        value = parse_option_text(name, text)
+    except InvalidOptionError as error:
+        raise ModelfileError(str(error), line) from None
+    if isinstance(value, list):
+        parameters.setdefault(name, []).extend(value)
     else:
-        parameters[name] = checked  # the last one wins, as in Ollama
-
-
-def _parse_bool(text: str) -> bool:
-    if text.lower() in ("true", "1"):
-        return True
-    if text.lower() in ("false", "0"):
-        return False
-    raise ValueError(text)
-
-
-_TEXT_CONVERTERS: dict[Any, Callable[[str], Any]] = {int: int, float: float, bool: _parse_bool}
-_KIND_NAMES = {int: "an integer", float: "a number", bool: "true or false"}
-
-
-def _reason(error: Exception, kind: Any) -> str:
-    if isinstance(error, InvalidOptionError):
-        return str(error)
-    return f"the value must be {_KIND_NAMES.get(kind, 'text')}"
+        parameters[name] = value  # the last one wins, as in Ollama
 
 
 def _checked_parameters(raw: dict[str, Any]) -> dict[str, Any]:

@@ -1,6 +1,7 @@
 """Request options: Ollama's `options` object, its defaults, and strict parsing of what a client sends.
 
     opts = parse_options(body.get("options"), chain.extra_options)
+    parse_option_text("temperature", "0.2")   # a Modelfile PARAMETER's or `/set parameter`'s text -> 0.2
 
 A wrongly typed or out-of-range value is an `InvalidOptionError`; an unknown key is ignored with a
 logged warning, unless a registered sampler declares it, in which case it lands in `Options.extra`.
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 from typing import Any, Callable
 
 import attrs
@@ -104,6 +106,43 @@ def parse_options(raw: dict | None, extra_fields: dict[str, tuple[type, Any]] | 
     return Options(**values, extra=extra)
 
 
+def parse_option_text(name: str, text: str) -> Any:
+    """A standard option's value written as text (a Modelfile PARAMETER, `/set parameter`), typed and checked.
+
+    The value is JSON-ready, as a request's `options` would carry it: `stop` text is one stop string,
+    returned as a list of it. Booleans are spelled as Go's strconv.ParseBool spells them, as Ollama reads them.
+    """
+    field = STANDARD_OPTIONS.get(name)
+    if field is None:
+        raise InvalidOptionError(f"unknown parameter {name!r}: use one of {', '.join(STANDARD_OPTIONS)}")
+    kind = field.metadata["kind"]
+    value = _TEXT_PARSERS.get(kind, str)(text)
+    if value is _INVALID:
+        raise InvalidOptionError(f"parameter {name!r} must be {_describe(kind)}, got {text!r}")
+    checked = parse_options({name: value}).get(name)  # range checks
+    return list(checked) if isinstance(checked, tuple) else checked
+
+
+TRUE_TEXTS = frozenset({"1", "t", "T", "TRUE", "true", "True"})
+FALSE_TEXTS = frozenset({"0", "f", "F", "FALSE", "false", "False"})
+_INTEGER_TEXT = re.compile(r"[+-]?[0-9]+")
+
+
+def _int_text(text: str) -> Any:
+    return int(text) if _INTEGER_TEXT.fullmatch(text) else _INVALID
+
+
+def _float_text(text: str) -> Any:
+    try:
+        return float(text) if "_" not in text else _INVALID  # Python's underscores are not Go's
+    except ValueError:
+        return _INVALID
+
+
+def _bool_text(text: str) -> Any:
+    return True if text in TRUE_TEXTS else False if text in FALSE_TEXTS else _INVALID
+
+
 def _validate(name: str, value: Any, kind: type | str, check: Check | None) -> Any:
     converted = CONVERTERS.get(kind, _instance_of(kind))(value)
     if converted is _INVALID:
@@ -152,6 +191,13 @@ CONVERTERS: dict[type | str, Callable[[Any], Any]] = {
     "strings": _to_strings,
     bool: _instance_of(bool),
     str: _instance_of(str),
+}
+
+_TEXT_PARSERS: dict[type | str, Callable[[str], Any]] = {
+    int: _int_text,
+    float: _float_text,
+    bool: _bool_text,
+    "strings": lambda text: [text],
 }
 
 _DESCRIPTIONS = {

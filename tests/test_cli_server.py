@@ -274,9 +274,12 @@ def test_interactive_clear_forgets_the_history(scripted, interactive):
 
 def test_interactive_set_parameter_types_and_checks_values(scripted, interactive):
     server = scripted(SHOW_OK | {"POST /api/generate": lambda body: httpx.Response(200, json={"done": True}), "POST /api/chat": lambda body: reply("ok")})
-    script = "/set parameter top_k 5\n/set parameter stop <a> <b>\n/set parameter temperature warm\n/set parameter bogus 1\nHi\n"
+    script = (
+        "/set parameter top_k 5\n/set parameter stop <a> <b>\n/set parameter ignore_eos T\n"
+        "/set parameter temperature warm\n/set parameter bogus 1\nHi\n"
+    )
     result = CliRunner().invoke(main, ["run", "tiny"], input=script)
-    assert server.bodies("/api/chat")[-1]["options"] == {"top_k": 5, "stop": ["<a>", "<b>"]}
+    assert server.bodies("/api/chat")[-1]["options"] == {"top_k": 5, "stop": ["<a>", "<b>"], "ignore_eos": True}
     assert "Couldn't set parameter: parameter 'temperature' must be a number" in result.output
     assert "Couldn't set parameter: unknown parameter 'bogus'" in result.output
 

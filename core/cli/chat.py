@@ -10,9 +10,9 @@ import click
 
 from corral.cli.backends import LocalChat, ServerChat
 from corral.cli.display import print_error, print_metrics, print_model_info
-from corral.client import ServerUnreachableError, typed_option
+from corral.client import ServerUnreachableError
 from corral.errors import CorralError
-from corral.options import STANDARD_OPTIONS, InvalidOptionError, parse_options
+from corral.options import InvalidOptionError, parse_option_text
 
 
 @attrs.define
@@ -178,14 +178,12 @@ def _set(session: ChatSession, args: list[str]) -> None:
 
 
 def _option_value(name: str, text: str) -> Any:
-    """A `/set parameter` value typed and checked as the option wants it."""
-    field = STANDARD_OPTIONS.get(name)
-    if field is None:
-        raise InvalidOptionError(f"unknown parameter '{name}'")
+    """A `/set parameter` value typed and checked as the option wants it (as a Modelfile PARAMETER is)."""
     if not text:
         raise InvalidOptionError(f"give a value: /set parameter {name} VALUE")
-    value = typed_option(name, field.metadata["kind"], text)
-    parse_options({name: value})  # range checks
+    value = parse_option_text(name, text)
+    if isinstance(value, list):  # `/set parameter stop <a> <b>` sets two stop strings, as Ollama's does
+        value = [item for word in text.split() for item in parse_option_text(name, word)]
     return value
 
 
