@@ -246,7 +246,8 @@ def modelfile_fields(path: str | os.PathLike, upload: Callable[[pathlib.Path], s
     path in the legacy `modelfile` field: this works with a server on another machine or with another
     view of the file system, and relative paths are taken from the Modelfile's directory here.
     """
-    from corral.modelfile import Modelfile
+    from corral.modelfile.create import ModelSpec
+    from corral.modelfile.syntax import Modelfile
 
     path = pathlib.Path(path)
     try:
@@ -254,7 +255,7 @@ def modelfile_fields(path: str | os.PathLike, upload: Callable[[pathlib.Path], s
     except OSError as exc:
         raise CorralError(f"cannot read the Modelfile {path}: {exc.strerror or exc}") from None
     modelfile = Modelfile.parse(text)
-    spec = modelfile.to_spec(path.resolve().parent)
+    spec = ModelSpec.from_modelfile(modelfile, path.resolve().parent)
     fields: dict[str, Any] = {"template": modelfile.template, "system": modelfile.system}
     if spec.gguf_path is not None:
         fields["files"] = {spec.gguf_path.name: upload(spec.gguf_path)}

@@ -7,18 +7,9 @@ from pathlib import Path
 import pytest
 
 from corral.errors import InvalidModelNameError, ModelNotFoundError
-from corral.modelfile import (
-    CreateModelError,
-    Message,
-    Modelfile,
-    ModelfileError,
-    ModelSpec,
-    create_model,
-    format_parameters,
-    is_go_template,
-    model_defaults,
-    validate_parameters,
-)
+from corral.modelfile.create import CreateModelError, ModelSpec, create_model, validate_parameters
+from corral.modelfile.defaults import format_parameters, model_defaults
+from corral.modelfile.syntax import Message, Modelfile, ModelfileError, is_go_template
 from corral.options import InvalidOptionError
 from corral.store import (
     LICENSE_MEDIA_TYPE,
@@ -175,19 +166,19 @@ def tiny_gguf(tmp_path_factory):
 
 def test_from_a_gguf_path_resolves_relative_to_the_modelfile(tmp_path, tiny_gguf):
     (tmp_path / "tiny.gguf").write_bytes(open(tiny_gguf, "rb").read())
-    assert Modelfile.parse("FROM ./tiny.gguf").to_spec(tmp_path).gguf_path == tmp_path / "tiny.gguf"
-    assert Modelfile.parse("FROM tiny.gguf").to_spec(tmp_path).gguf_path == tmp_path / "tiny.gguf"
-    assert Modelfile.parse(f"FROM {tiny_gguf}").to_spec().gguf_path == Path(tiny_gguf).resolve()
+    assert ModelSpec.from_modelfile(Modelfile.parse("FROM ./tiny.gguf"), tmp_path).gguf_path == tmp_path / "tiny.gguf"
+    assert ModelSpec.from_modelfile(Modelfile.parse("FROM tiny.gguf"), tmp_path).gguf_path == tmp_path / "tiny.gguf"
+    assert ModelSpec.from_modelfile(Modelfile.parse(f"FROM {tiny_gguf}")).gguf_path == Path(tiny_gguf).resolve()
 
 
 def test_from_a_name_is_a_model_and_a_missing_path_is_an_error(tmp_path):
-    assert Modelfile.parse("FROM me/base:v1").to_spec(tmp_path).from_model == "me/base:v1"
+    assert ModelSpec.from_modelfile(Modelfile.parse("FROM me/base:v1"), tmp_path).from_model == "me/base:v1"
     with pytest.raises(ModelfileError, match="no such file"):
-        Modelfile.parse("FROM ./absent.gguf").to_spec(tmp_path)
+        ModelSpec.from_modelfile(Modelfile.parse("FROM ./absent.gguf"), tmp_path)
     with pytest.raises(ModelfileError, match="needs the Modelfile's directory"):
-        Modelfile.parse("FROM absent.gguf").to_spec()
+        ModelSpec.from_modelfile(Modelfile.parse("FROM absent.gguf"))
     with pytest.raises(ModelfileError, match="is a directory"):
-        Modelfile.parse(f"FROM {tmp_path}").to_spec()
+        ModelSpec.from_modelfile(Modelfile.parse(f"FROM {tmp_path}"))
 
 
 def test_model_defaults_read_back_what_the_modelfile_set(tmp_path, tiny_gguf):
@@ -203,7 +194,7 @@ MESSAGE assistant Hello.
 LICENSE MIT
 """
     events = []
-    create_model(store, "tiny", Modelfile.parse(text).to_spec(), events.append)
+    create_model(store, "tiny", ModelSpec.from_modelfile(Modelfile.parse(text)), events.append)
     defaults = model_defaults(store, "tiny")
     assert defaults.options == {"temperature": 0.1, "stop": ["<end>"]}
     assert defaults.system == "You are terse."
@@ -339,5 +330,5 @@ def test_to_modelfile_recreates_the_model(tmp_path, tiny_gguf):
     spec = ModelSpec(gguf_path=tiny_gguf, system="S", parameters={"stop": ["a", "b"]}, license=("MIT",))
     first = create_model(store, "tiny", spec)
     text = model_defaults(store, "tiny").to_modelfile(str(store.model_path("tiny"))).render()
-    second = create_model(store, "again", Modelfile.parse(text).to_spec())
+    second = create_model(store, "again", ModelSpec.from_modelfile(Modelfile.parse(text)))
     assert second.digest == first.digest

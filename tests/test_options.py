@@ -2,7 +2,7 @@
 
 import pytest
 
-from corral.modelfile import Modelfile, ModelfileError
+from corral.modelfile.syntax import Modelfile, ModelfileError
 from corral.options import InvalidOptionError, parse_option_text
 
 # Go's strconv.ParseBool, which Ollama reads boolean parameters with.

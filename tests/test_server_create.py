@@ -10,7 +10,7 @@ import ollama
 import pytest
 import trio
 
-from corral.modelfile import model_defaults
+from corral.modelfile.defaults import model_defaults
 from corral.store import Store
 from tiny_gguf import write_tiny_llama
 

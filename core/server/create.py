@@ -17,14 +17,8 @@ import attrs
 import quart
 import trio
 
-from corral.modelfile import (
-    CreateModelError,
-    Modelfile,
-    ModelSpec,
-    create_model,
-    parse_messages,
-    validate_parameters,
-)
+from corral.modelfile.create import CreateModelError, ModelSpec, create_model, parse_messages, validate_parameters
+from corral.modelfile.syntax import Modelfile
 from corral.server.http import ApiError, field, ndjson_response, read_json
 from corral.server.state import state
 from corral.store import parse_digest, parse_name
@@ -71,7 +65,7 @@ def _spec_from_body(body: dict) -> tuple[ModelSpec, list[dict]]:
         events.append({"status": "parsing modelfile"})
         location = field(body, "path", str, None)
         directory = Path(location).expanduser().parent if location else None
-        fields = attrs.asdict(Modelfile.parse(text).to_spec(directory), recurse=False)
+        fields = attrs.asdict(ModelSpec.from_modelfile(Modelfile.parse(text), directory), recurse=False)
     from_model = field(body, "from", str, None)
     files = field(body, "files", dict, None)
     if from_model and files:

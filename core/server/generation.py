@@ -13,7 +13,7 @@ from typing import Any, AsyncIterator, Callable
 import attrs
 import trio
 
-from corral.modelfile import ModelDefaults, model_defaults
+from corral.modelfile.defaults import ModelDefaults, model_defaults
 from corral.runner.interface import Runner
 from corral.runner.stream import Chunk
 from corral.server.state import state

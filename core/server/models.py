@@ -13,7 +13,7 @@ import trio
 import corral
 from corral.discover import system_info
 from corral.gguf import GGUFFile
-from corral.modelfile import format_parameters, model_defaults
+from corral.modelfile.defaults import format_parameters, model_defaults
 from corral.server.http import field, ndjson_response, read_json
 from corral.server.state import model_capabilities, state
 from corral.store import parse_name

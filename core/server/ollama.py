@@ -9,7 +9,7 @@ import quart
 import trio
 
 from corral.grammar import compile_format
-from corral.modelfile import model_defaults
+from corral.modelfile.defaults import model_defaults
 from corral.runner.stream import Chunk
 from corral.scheduler import parse_keep_alive
 from corral.server import generation

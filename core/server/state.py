@@ -9,7 +9,7 @@ import quart
 
 from corral.engine import parameter_count, quantization_name
 from corral.gguf import GGUFFile
-from corral.modelfile import model_defaults
+from corral.modelfile.defaults import model_defaults
 from corral.scheduler import Scheduler
 from corral.server.http import ApiError
 from corral.store import Store

@@ -1,0 +1,242 @@
+"""Creating a model: the layers a Modelfile (or a create request) puts over its base, written to the store.
+
+A created model is its base's layers with some replaced: `template`, `system` (text), `params` (a JSON
+object of option -> value, merged key by key over the base's), `messages` (a JSON list of
+{role, content}) and `license` (one text per layer, added to the base's). `defaults.model_defaults`
+reads them back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from corral.errors import CorralError, GGUFError, ModelNotFoundError
+from corral.gguf import GGUFFile
+from corral.modelfile.defaults import stored_parameters
+from corral.modelfile.syntax import IGNORED_PARAMETERS, Message, Modelfile, ModelfileError
+from corral.options import STANDARD_OPTIONS, InvalidOptionError, parse_options
+from corral.store import (
+    LICENSE_MEDIA_TYPE,
+    MESSAGES_MEDIA_TYPE,
+    MODEL_MEDIA_TYPE,
+    PARAMS_MEDIA_TYPE,
+    SYSTEM_MEDIA_TYPE,
+    TEMPLATE_MEDIA_TYPE,
+    Layer,
+    Manifest,
+    ModelName,
+    Store,
+    parse_digest,
+    parse_name,
+)
+
+log = logging.getLogger(__name__)
+
+
+class CreateModelError(CorralError):
+    """A model cannot be created from what was given: an unusable GGUF, a bad message, a missing part."""
+
+
+@attrs.frozen
+class ModelSpec:
+    """What `create_model` builds: one base (a model in the store, an uploaded GGUF blob or a GGUF file on
+    this machine) and the layers that replace the base's; None keeps the base's layer, "" removes it."""
+
+    from_model: str | None = None
+    gguf_blob: str | None = None
+    gguf_path: Path | None = attrs.field(default=None, converter=attrs.converters.optional(Path))
+    template: str | None = None
+    system: str | None = None
+    parameters: dict[str, Any] | None = None  # JSON-ready, as `validate_parameters` returns them
+    messages: tuple[Message, ...] = ()  # empty: keep the base's
+    license: tuple[str, ...] = ()  # added to the base's
+
+    def __attrs_post_init__(self) -> None:
+        given = [v for v in (self.from_model, self.gguf_blob, self.gguf_path) if v is not None]
+        if len(given) != 1:
+            raise CreateModelError("give exactly one base: `from` (a model name) or `files` (an uploaded GGUF)")
+
+    @classmethod
+    def from_modelfile(cls, modelfile: Modelfile, directory: str | os.PathLike | None = None) -> ModelSpec:
+        """What to create: FROM is a GGUF file (relative to `directory`) when it names one, else a model."""
+        source = _resolve_from(modelfile.from_, directory)
+        base = {"gguf_path": source} if isinstance(source, Path) else {"from_model": source}
+        return cls(
+            **base,
+            template=modelfile.template,
+            system=modelfile.system,
+            parameters=dict(modelfile.parameters) if modelfile.parameters else None,
+            messages=modelfile.messages,
+            license=modelfile.license,
+        )
+
+
+def _resolve_from(value: str, directory: str | os.PathLike | None) -> str | Path:
+    """A FROM argument as a GGUF path (absolute) or a model name."""
+    looks_like_path = value.startswith(("/", "./", "../", "~")) or value.lower().endswith(".gguf")
+    path = Path(value).expanduser()
+    if not path.is_absolute():
+        if directory is None:
+            if looks_like_path:
+                raise ModelfileError(
+                    f"FROM {value}: a relative path needs the Modelfile's directory; give an absolute path"
+                )
+            return value
+        path = Path(directory) / path
+    if path.is_dir():
+        raise ModelfileError(f"FROM {value}: {path} is a directory; corral creates models from one GGUF file")
+    if path.is_file():
+        return path.resolve()
+    if looks_like_path:
+        raise ModelfileError(f"FROM {value}: no such file {path}")
+    return value
+
+
+Progress = Callable[[dict], None]
+
+
+def check_spec(store: Store, spec: ModelSpec) -> tuple[Layer, ...]:
+    """Validate a spec without writing anything; returns the base model's layers (empty for a GGUF)."""
+    if spec.from_model is not None:
+        base = parse_name(spec.from_model)
+        manifest = store.manifest(base)
+        if manifest is None or manifest.model is None:
+            raise ModelNotFoundError(f"model '{base}' not found; pull or create it first")
+        if not store.has_blob(manifest.model.digest):
+            raise ModelNotFoundError(f"model '{base}' is missing its GGUF blob; pull it again")
+        return manifest.layers
+    if spec.gguf_blob is not None:
+        digest = parse_digest(spec.gguf_blob)
+        if not store.has_blob(digest):
+            raise CreateModelError(f"blob {digest} is not in the store; upload it with POST /api/blobs/{digest}")
+        _check_gguf(store.blob_path(digest), f"the uploaded file {digest}")
+    else:
+        _check_gguf(spec.gguf_path, str(spec.gguf_path))
+    return ()
+
+
+def _check_gguf(path: Path, what: str) -> None:
+    try:
+        gguf = GGUFFile.open(path)
+        try:
+            gguf.architecture
+        finally:
+            gguf.close()
+    except GGUFError as error:
+        reason = str(error).removeprefix(f"{path}: ")
+        raise CreateModelError(f"{what} is not a usable GGUF model: {reason}") from None
+    except OSError as error:
+        raise CreateModelError(f"cannot read {what}: {error.strerror}") from None
+
+
+def create_model(store: Store, name: str | ModelName, spec: ModelSpec, progress: Progress | None = None) -> Manifest:
+    """Write the manifest of `name` built from `spec`, reporting Ollama's create progress dicts.
+
+    Blocking: from Trio, run it with `trio.to_thread.run_sync`. The same spec gives the same manifest, and
+    blobs already in the store are reused. Blobs only the replaced manifest of `name` used are removed.
+    """
+    report = progress or (lambda event: None)
+    model_name = parse_name(name)
+    base_layers = check_spec(store, spec)
+    if spec.from_model is None:
+        report({"status": "parsing GGUF"})
+    layers = [(layer.media_type, layer.digest) for layer in base_layers]
+    created: set[str] = set()
+    if spec.gguf_blob is not None:
+        layers.append((MODEL_MEDIA_TYPE, spec.gguf_blob))
+    elif spec.gguf_path is not None:
+        digest = _file_digest(spec.gguf_path)
+        if not store.has_blob(digest):
+            created.add(store.write_blob(spec.gguf_path, digest))
+        layers.append((MODEL_MEDIA_TYPE, digest))
+    new: dict[str, bytes] = {}  # digest -> content of the layers this create adds
+
+    def replace(media_type: str, content: bytes | None) -> None:
+        layers[:] = [layer for layer in layers if layer[0] != media_type]
+        if content:
+            digest = _digest(content)
+            new[digest] = content
+            layers.append((media_type, digest))
+
+    if spec.template is not None:
+        replace(TEMPLATE_MEDIA_TYPE, spec.template.encode())
+    if spec.system is not None:
+        replace(SYSTEM_MEDIA_TYPE, spec.system.encode())
+    if spec.parameters is not None:
+        merged = stored_parameters(store, base_layers) | spec.parameters
+        replace(PARAMS_MEDIA_TYPE, json.dumps(merged, sort_keys=True).encode() if merged else None)
+    if spec.messages:
+        replace(MESSAGES_MEDIA_TYPE, json.dumps([m.to_json() for m in spec.messages]).encode())
+    for text in spec.license:
+        digest = _digest(text.encode())
+        if (LICENSE_MEDIA_TYPE, digest) not in layers:
+            new[digest] = text.encode()
+            layers.append((LICENSE_MEDIA_TYPE, digest))
+
+    for _, digest in layers:
+        if digest not in created and not store.has_blob(digest):
+            created.add(store.write_blob(new[digest], digest))
+        verb = "creating new" if digest in created else "using existing"
+        report({"status": f"{verb} layer {digest}"})
+    replaced = store.manifest(model_name)
+    report({"status": "writing manifest"})
+    manifest = store.write_manifest(model_name, layers)
+    if replaced is not None:
+        store.prune(replaced.blobs - manifest.blobs)
+    report({"status": "success"})
+    return manifest
+
+
+def _digest(content: bytes) -> str:
+    return "sha256:" + hashlib.sha256(content).hexdigest()
+
+
+def _file_digest(path: Path) -> str:
+    with open(path, "rb") as file:
+        return "sha256:" + hashlib.file_digest(file, "sha256").hexdigest()
+
+
+def _checked_parameters(raw: dict[str, Any]) -> dict[str, Any]:
+    """Option values validated by `parse_options`, as JSON-ready values (`stop` a list)."""
+    options = parse_options(raw)
+    return {name: _jsonable(options.get(name)) for name in raw}
+
+
+def _jsonable(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value
+
+
+def validate_parameters(raw: dict[str, Any]) -> dict[str, Any]:
+    """A create request's `parameters`: names must be options, values valid; returns JSON-ready values."""
+    if not isinstance(raw, dict):
+        raise InvalidOptionError("parameters must be an object mapping option names to values")
+    known = {}
+    for name, value in raw.items():
+        if value is None:
+            continue
+        if name in IGNORED_PARAMETERS:
+            log.warning("ignoring parameter %r, which corral does not use", name)
+        elif name not in STANDARD_OPTIONS:
+            raise InvalidOptionError(f"unknown parameter {name!r}: use one of {', '.join(STANDARD_OPTIONS)}")
+        else:
+            known[name] = value
+    return _checked_parameters(known)
+
+
+def parse_messages(raw: Iterable[Any]) -> tuple[Message, ...]:
+    """A create request's `messages`: objects with a role (system, user, assistant) and a string content."""
+    messages = []
+    for index, item in enumerate(raw):
+        try:
+            messages.append(Message.from_json(item))
+        except ValueError as error:
+            raise CreateModelError(f"messages[{index}]: {error}") from None
+    return tuple(messages)
