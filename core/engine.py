@@ -164,10 +164,23 @@ class LoadedModel:
         raw: bool = False,
         system: str | None = None,
         num_ctx: int | None = None,
+        options: dict | None = None,
+        format: str | dict | None = None,
     ) -> Iterator[str]:
-        """Stream the continuation of `prompt` (templated as a user turn unless `raw`) as text pieces."""
-        ids = self.prompt_ids(prompt, raw=raw, system=system)
-        yield from self.generate_ids(ids, max_tokens, temperature, seed, num_ctx)
+        """Stream the continuation of `prompt` (templated as a user turn unless `raw`) as text pieces.
+
+        It runs as one request of a Runtime over this model, as a server request would: `options` are
+        Ollama's (`stop`, `top_k`, ...; `max_tokens`, `temperature` and `seed`, None for random, win over
+        them) and `format` ("json" or a JSON schema) constrains the answer. Not from inside a Trio task
+        (use `corral.Runtime` there).
+        """
+        from corral.runner.blocking import BlockingRuntime  # the runtime is built on this module
+
+        given = {**(options or {}), "num_predict": max_tokens, "temperature": temperature, "seed": -1 if seed is None else seed}
+        with BlockingRuntime(self, num_ctx=num_ctx or given.get("num_ctx") or DEFAULT_NUM_CTX) as runtime:
+            for chunk in runtime.generate(prompt, given, raw=raw, system=system, format=format):
+                if chunk.text:
+                    yield chunk.text
 
     def generate_ids(
         self,

@@ -92,7 +92,7 @@ class Runtime:
     @contextlib.asynccontextmanager
     async def open(
         cls,
-        model: str,
+        model: str | LoadedModel,
         *,
         num_parallel: int = 4,
         num_ctx: int = 4096,
@@ -107,11 +107,15 @@ class Runtime:
 
         `template` replaces the file's chat template (a Jinja chat template). `num_thread` > 0 sets
         the compute threads (process-wide: a runner process has one model, an embedding app decides).
+        A `LoadedModel` is served as it is, with its plugins (`precision`, `device`, `num_thread` do not apply).
         """
-        plugins = plugins or Plugins()
-        loaded = await compute.run(
-            functools.partial(load_model, model, precision=precision, device=device, plugins=plugins, num_thread=num_thread)
-        )
+        if isinstance(model, LoadedModel):
+            loaded, plugins = model, plugins or model.plugins
+        else:
+            plugins = plugins or Plugins()
+            loaded = await compute.run(
+                functools.partial(load_model, model, precision=precision, device=device, plugins=plugins, num_thread=num_thread)
+            )
         if template:
             loaded.use_template(template)
         cache = await compute.run(new_cache, loaded, min(num_ctx, loaded.info.context_length), num_parallel, num_batch)
