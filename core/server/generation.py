@@ -29,10 +29,7 @@ class Prepared:
 
     def chat_messages(self, messages: list[dict]) -> list[dict]:
         """The request's messages behind the Modelfile's MESSAGES, with its SYSTEM unless one is given."""
-        preamble = [message.to_json() for message in self.defaults.messages]
-        if self.defaults.system and not any(m.get("role") == "system" for m in preamble + messages):
-            preamble.insert(0, {"role": "system", "content": self.defaults.system})
-        return preamble + messages
+        return self.defaults.chat_messages(messages)
 
 
 async def chunks(
