@@ -3,7 +3,8 @@
     m = corral.load_model("smollm2")            # a store name or a path to a .gguf file
     m.tokenize("text"); m.detokenize(ids); m.logits(ids); m.generate("prompt", max_tokens=32)
 
-The Trio runtime builds on the same pieces (model, backend, cache, tokenizer, template).
+The Trio runtime builds on the same pieces (model, backend, cache, tokenizer, template), and
+`generate` answers through it (`runner/blocking.py`).
 """
 
 from __future__ import annotations
@@ -18,22 +19,15 @@ import attrs
 import numpy as np
 from gguf import LlamaFileType
 
-from corral.errors import CorralError
 from corral.gguf import GGUFFile
 from corral.kvcache import CausalCache
 from corral.memory import release_freed_memory, reuse_large_buffers
 from corral.model import Batch
-from corral.options import parse_options
 from corral.registry import Plugins
-from corral.sample import SamplerChain, SequenceSampler
 from corral.template import ChatTemplate
-from corral.tokenizer import IncrementalDecoder, Tokenizer
+from corral.tokenizer import Tokenizer
 
 DEFAULT_NUM_CTX = 4096
-
-
-class ContextLengthError(CorralError):
-    """The prompt and the requested generation do not fit in the context."""
 
 
 @attrs.frozen
@@ -92,7 +86,6 @@ class LoadedModel:
         self.tokenizer = tokenizer
         self.template = ChatTemplate.from_metadata(gguf.metadata, model.default_chat_template())
         self.plugins = plugins or Plugins()
-        self._chain: SamplerChain | None = None
 
         self.info = ModelInfo(
             architecture=gguf.architecture,
@@ -181,46 +174,6 @@ class LoadedModel:
             for chunk in runtime.generate(prompt, given, raw=raw, system=system, format=format):
                 if chunk.text:
                     yield chunk.text
-
-    def generate_ids(
-        self,
-        ids: Sequence[int],
-        max_tokens: int = 128,
-        temperature: float = 0.0,
-        seed: int | None = None,
-        num_ctx: int | None = None,
-        options: dict | None = None,
-    ) -> Iterator[str]:
-        """Stream text pieces generated after the prompt token ids, sampled by the plugin sampler chain."""
-        num_ctx = min(num_ctx or DEFAULT_NUM_CTX, self.info.context_length)
-        if len(ids) + max_tokens > num_ctx:
-            raise ContextLengthError(
-                f"the prompt ({len(ids)} tokens) plus {max_tokens} new tokens exceed the context of {num_ctx}"
-            )
-        chain = self.sampler_chain()
-        given = {**(options or {}), "temperature": temperature, "seed": -1 if seed is None else seed}
-        sampler = SequenceSampler(parse_options(given, chain.extra_options), ids, num_ctx)
-        cache = self.new_cache(len(ids) + max_tokens)
-        decoder = IncrementalDecoder(self.tokenizer)
-        batch = Batch.single(ids)
-        for _ in range(max_tokens):
-            token = chain.sample(self.compute(batch, cache)[-1:], [sampler]).tokens[0]
-            if token in self.tokenizer.eog_ids and not sampler.options.ignore_eos:
-                break
-            sampler.accept(token)
-            piece = decoder.feed(token)
-            if piece:
-                yield piece
-            batch = Batch.single([token], start=int(batch.positions[-1]) + 1)
-        rest = decoder.flush()
-        if rest:
-            yield rest
-
-    def sampler_chain(self) -> SamplerChain:
-        """The sampler chain of this model's plugins (built once)."""
-        if self._chain is None:
-            self._chain = SamplerChain(self.plugins)
-        return self._chain
 
 
 def load_model(

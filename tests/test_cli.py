@@ -108,10 +108,10 @@ def test_rm_unknown_model_is_a_clear_error(private_store):
     assert "no-such-model" in result.output and "not found" in result.output
 
 
-def test_run_format_needs_a_server():
-    result = CliRunner().invoke(main, ["run", "smollm2", "Hi", "--format", "json"])
-    assert result.exit_code == 1
-    assert "corral serve" in result.output
+def test_run_refuses_a_format_that_is_neither_json_nor_a_schema():
+    result = CliRunner().invoke(main, ["run", "smollm2", "Hi", "--format", "yaml"])
+    assert result.exit_code == 2
+    assert 'use "json" or a JSON schema object' in result.output
 
 
 def test_run_rejects_a_bad_option_before_loading():

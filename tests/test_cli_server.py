@@ -31,7 +31,7 @@ def cli(server, monkeypatch, tmp_path):
     """Runs the CLI in a worker thread against the live server; falling back to in-process fails the test."""
     monkeypatch.setenv("CORRAL_HOST", server.removeprefix("http://"))
     monkeypatch.setenv("CORRAL_MODELS", str(tmp_path / "empty-store"))  # the CLI's own store stays empty
-    monkeypatch.setattr("corral.engine.load_model", _refuse_in_process)
+    monkeypatch.setattr("corral.cli.backends.LocalChat", _refuse_in_process)
     monkeypatch.setattr("corral.cli.backends.pull_in_process_if_missing", _refuse_in_process)
 
     async def invoke(*args, input=None):

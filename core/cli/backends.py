@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import pathlib
-import time
 from collections.abc import Iterator
 from typing import Any
 
 from corral.cli.display import PullProgress, err_console
 from corral.client import Client, ServerError
-from corral.errors import CorralError
+from corral.modelfile.defaults import ModelDefaults, format_parameters, model_defaults
 
 
 def running_server() -> Client | None:
@@ -21,7 +20,7 @@ def running_server() -> Client | None:
     return None
 
 
-def chat_backend(model: str, keep_alive: str | None, fmt: Any, precision: str, preload: bool) -> ServerChat | LocalChat:
+def chat_backend(model: str, keep_alive: str | None, fmt: Any, precision: str, preload: bool, num_ctx: int | None = None) -> ServerChat | LocalChat:
     """The server's chat when one runs (pulling the model there if needed), else the model loaded here."""
     # A .gguf path is not a name the server can load, so it always runs in-process.
     is_file = pathlib.Path(model).is_file() or model.endswith(".gguf")
@@ -35,13 +34,13 @@ def chat_backend(model: str, keep_alive: str | None, fmt: Any, precision: str, p
             with err_console.status("loading"):
                 client.load(model, keep_alive)
         return backend
-    if fmt is not None:
-        raise CorralError("--format needs a running server; start one with `corral serve`")
-    if not is_file:
-        pull_in_process_if_missing(model)
-    from corral.engine import load_model
+    if is_file:
+        return LocalChat(model, ModelDefaults(), fmt, precision, num_ctx)
+    from corral import store
 
-    return LocalChat(load_model(model, precision=precision))
+    pull_in_process_if_missing(model)
+    models = store.default_store()
+    return LocalChat(str(models.model_path(model)), model_defaults(models, model), fmt, precision, num_ctx, name=model)
 
 
 def pull_in_process_if_missing(model: str) -> None:
@@ -86,45 +85,80 @@ class ServerChat:
         """The server's /api/show answer."""
         return self.client.show(self.model)
 
+    def close(self) -> None:
+        """Close the connection to the server."""
+        self.client.close()
+
 
 class LocalChat:
-    """Chat turns answered in this process by a loaded model (no server running)."""
+    """Chat turns answered in this process, through a Runtime over the model (no server running).
 
-    DEFAULT_TEMPERATURE = 0.8
-    DEFAULT_NUM_PREDICT = 512
+    The model's Modelfile defaults apply as the server applies them: its PARAMETERs under the session's
+    options (stop strings included), its SYSTEM and MESSAGES ahead of the chat, its TEMPLATE when it is Jinja.
+    """
 
-    def __init__(self, loaded: Any):
-        self.loaded = loaded
+    DEFAULT_NUM_PREDICT = 512  # unless the session or the Modelfile says otherwise: an answer ends here
+
+    def __init__(
+        self, path: str, defaults: ModelDefaults, fmt: Any, precision: str = "auto", num_ctx: int | None = None, name: str | None = None
+    ):  # fmt: skip
+        from corral.discover import context_default, system_info
+        from corral.runner.blocking import BlockingRuntime
+
+        self.path = path
+        self.defaults = defaults
+        self.format = fmt
         self.metrics: dict = {}
-        self._load_ns = int(loaded.info.load_seconds * 1e9)
+        # The context as the server sizes it: asked for > Modelfile > CORRAL_CONTEXT_LENGTH > by memory.
+        self._default_num_ctx = num_ctx or defaults.options.get("num_ctx") or context_default(system_info())
+        template = defaults.chat_template(name or path)
+        with err_console.status("loading"):
+            self._runtime = BlockingRuntime(path, num_ctx=self._default_num_ctx, precision=precision, template=template)
+        self._load_ns = int(self._runtime.model.info.load_seconds * 1e9)
 
     def stream(self, messages: list[dict], options: dict) -> Iterator[str]:
-        from corral.engine import DEFAULT_NUM_CTX
+        """The reply's text pieces; `metrics` holds the final chunk's figures afterwards."""
+        merged = self.defaults.merge_options(options)
+        merged.setdefault("num_predict", self.DEFAULT_NUM_PREDICT)
+        runtime = self._runtime_for(merged)
+        for chunk in runtime.chat(self.defaults.chat_messages(messages), merged, format=self.format):
+            if chunk.text:
+                yield chunk.text
+            if chunk.done:
+                self.metrics = {
+                    "done_reason": chunk.done_reason,
+                    "total_duration": chunk.total_duration,
+                    "load_duration": self._load_ns,
+                    "prompt_eval_count": chunk.prompt_eval_count,
+                    "prompt_eval_duration": chunk.prompt_eval_duration,
+                    "eval_count": chunk.eval_count,
+                    "eval_duration": chunk.eval_duration,
+                }
+                self._load_ns = 0
 
-        start = time.perf_counter_ns()
-        ids = self.loaded.chat_ids(messages)
-        num_ctx = min(options.get("num_ctx") or DEFAULT_NUM_CTX, self.loaded.info.context_length)
-        num_predict = options.get("num_predict", self.DEFAULT_NUM_PREDICT)
-        if num_predict < 0:  # -1 unlimited, -2 until the context is full: both mean "the rest of it" here
-            num_predict = num_ctx - len(ids)
-        seed = options.get("seed")
-        yield from self.loaded.generate_ids(
-            ids,
-            max_tokens=num_predict,
-            temperature=options.get("temperature", self.DEFAULT_TEMPERATURE),
-            seed=None if seed is None or seed < 0 else seed,
-            num_ctx=num_ctx,
-            options={k: v for k, v in options.items() if k not in ("temperature", "seed", "num_predict", "num_ctx")},
-        )
-        elapsed = time.perf_counter_ns() - start
-        self.metrics = {"total_duration": elapsed, "load_duration": self._load_ns, "prompt_eval_count": len(ids)}
-        self._load_ns = 0
+    def _runtime_for(self, options: dict) -> Any:
+        # A different context or batch size needs a runtime of that size (the server reloads for it); the
+        # weights stay loaded.
+        from corral.runner.blocking import BlockingRuntime
+
+        num_ctx = options.get("num_ctx") or self._default_num_ctx
+        num_batch = options.get("num_batch") or self._runtime.num_batch
+        if (num_ctx, num_batch) != (self._runtime.num_ctx, self._runtime.num_batch):
+            model = self._runtime.model
+            self._runtime.close()
+            self._runtime = BlockingRuntime(model, num_ctx=num_ctx, num_batch=num_batch)
+        return self._runtime
+
+    def close(self) -> None:
+        """End the runtime."""
+        self._runtime.close()
 
     def describe(self) -> dict:
-        """What /api/show would say, from the loaded GGUF file."""
+        """What /api/show would say, from the loaded GGUF file and the model's defaults."""
         from corral.server.state import format_parameter_size
 
-        gguf, info = self.loaded.gguf, self.loaded.info
+        loaded = self._runtime.model
+        gguf, info = loaded.gguf, loaded.info
         meta = {key: value for key, value in gguf.metadata.items() if not (isinstance(value, list) and len(value) > 64)}
         details = {
             "family": info.architecture,
@@ -134,9 +168,10 @@ class LocalChat:
         return {
             "details": details,
             "model_info": meta,
-            "template": gguf.get("tokenizer.chat_template", ""),
-            "license": gguf.get("general.license", ""),
-            "modelfile": f"FROM {self.loaded.path}\n",
-            "parameters": "",
+            "template": self.defaults.template or gguf.get("tokenizer.chat_template", ""),
+            "system": self.defaults.system,
+            "license": "\n".join(self.defaults.license) or gguf.get("general.license", ""),
+            "modelfile": self.defaults.to_modelfile(self.path).render(),
+            "parameters": format_parameters(self.defaults.options),
             "capabilities": ["completion"],
         }

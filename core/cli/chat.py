@@ -168,9 +168,6 @@ def _set(session: ChatSession, args: list[str]) -> None:
         session.verbose = what == "verbose"
         click.echo("Set 'verbose' mode." if session.verbose else "Set 'quiet' mode.")
     elif what in ("format", "noformat"):
-        if not isinstance(session.backend, ServerChat):
-            click.echo("Formats need a running server; start one with `corral serve`.")
-            return
         session.backend.format = "json" if what == "format" else None
         click.echo("Set format to 'json' mode." if what == "format" else "Disabled format.")
     else:

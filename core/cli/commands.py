@@ -7,6 +7,7 @@ directly; `ps`, `show`, `create` and `stop` say to start `corral serve`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import pathlib
 import sys
@@ -234,7 +235,7 @@ def plugins() -> None:
 @click.option("--seed", type=int, default=None, help="Random seed, for repeatable answers.")
 @click.option("--num-ctx", type=int, default=None, help="Context length in tokens.")
 @click.option("--keepalive", default=None, help="How long the server keeps the model loaded afterwards (5m, 1h, 0, -1).")
-@click.option("--format", "format_", default=None, help='Answer format: "json" or a JSON schema (needs a server).')
+@click.option("--format", "format_", default=None, help='Answer format: "json" or a JSON schema.')
 @click.option("--precision", type=click.Choice(["auto", "fp32"]), default="auto", show_default=True, help="In-process only.")
 @click.option("--verbose", is_flag=True, help="Print timings after each answer.")
 def run(
@@ -252,12 +253,13 @@ def run(
     if text is None and not stdin_is_interactive():
         text = sys.stdin.read().strip()  # piped input is the prompt, as with `ollama run`
     fmt = _parse_format(format_)
-    backend = chat_backend(model, keepalive, fmt, precision, preload=text is None)
-    session = ChatSession(backend, options=options, verbose=verbose)
-    if text is not None:
-        session.ask(text)
-        return
-    chat_interactively(session)
+    backend = chat_backend(model, keepalive, fmt, precision, preload=text is None, num_ctx=num_ctx)
+    with contextlib.closing(backend):
+        session = ChatSession(backend, options=options, verbose=verbose)
+        if text is not None:
+            session.ask(text)
+            return
+        chat_interactively(session)
 
 
 def stdin_is_interactive() -> bool:
