@@ -83,13 +83,20 @@ async def test_killing_the_runner_before_a_non_streamed_answer_is_a_500(nursery,
         assert health.status_code == 200
 
 
+def write_unknown_tokenizer(path):
+    write_tiny_llama(path)
+    path.write_bytes(path.read_bytes().replace(b"gpt2", b"gpt9"))  # tokenizer.ggml.model: one corral cannot read
+
+
 @pytest.mark.parametrize(
     ("write", "expected"),
     [
         # the server reads the header itself (to size the model) and says what is wrong
         (lambda path: path.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\xff" * 64), "truncated"),
-        # a valid file the runner process cannot load: its own error comes back
-        (lambda path: write_tiny_llama(path, architecture="mystery"), "runner failed to load"),
+        # no installed architecture runs it: the server knows before starting a runner
+        (lambda path: write_tiny_llama(path, architecture="mystery"), "architecture 'mystery' is not supported"),
+        # a file the server can size but the runner process cannot load: the runner's own error comes back
+        (write_unknown_tokenizer, "runner failed to load"),
     ],
 )
 async def test_a_model_that_fails_to_load_reports_why_and_the_server_stays_healthy(nursery, store, tmp_path, write, expected):

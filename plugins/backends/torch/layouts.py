@@ -337,8 +337,11 @@ class Int8Weight:
         return self.codes.float() * self.scales.float()[:, None]
 
     def matmul(self, x: torch.Tensor, runs: Runs = None) -> torch.Tensor:
-        dtype = torch.float32 if native.takes_int8_rows(self.codes) else torch.bfloat16
-        return _long_runs(x, runs, self._kernel, self._int8_rows, dtype)
+        if native.takes_int8_rows(self.codes):
+            return _long_runs(x, runs, self._kernel, self._int8_rows, torch.float32)
+        if native.int8_products_are_fast():
+            return _long_runs(x, runs, self._kernel, self._int8_rows, torch.bfloat16)
+        return self._kernel(x)  # no int8 hardware: torch's row kernel for prompt rows too
 
     def _int8_rows(self, runs: list[torch.Tensor]) -> list[torch.Tensor]:
         # Prompt chunks: int8 x int8 products, faster than dequantizing for float32 BLAS

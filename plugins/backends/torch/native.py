@@ -60,6 +60,17 @@ def _cpu_features() -> str:
     return platform.processor()
 
 
+@functools.cache
+def int8_products_are_fast() -> bool:
+    """Whether the CPU multiplies int8 in hardware (VNNI), which `torch._int_mm` needs to beat float32 BLAS.
+
+    Without it torch's int8 matmul runs ~30x slower than the dequantized one (BENCHMARKS.md,
+    Measurements behind code decisions).
+    """
+    flags = set(_cpu_features().split())
+    return bool(flags & {"avx512_vnni", "avx_vnni", "avx_vnni_int8"}) or not _cpu_features().startswith("flags")
+
+
 def _lacks_avx512() -> bool:
     """Whether the CPU says it has no AVX-512 F and BW: then no kernel compiles (simd.h's #error), so none is tried.
 
