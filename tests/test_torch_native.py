@@ -16,7 +16,6 @@ import torch
 import torch.nn.functional as F
 from test_torch_quant import INT4, cols_of, random_raw, reference
 
-from corral.plugins.backends.torch import context as torch_backend
 from corral.plugins.backends.torch import attention as torch_attention, dequantize as torch_quant, native as torch_native
 from corral.plugins.backends.torch import TorchBackend
 from corral.plugins.backends.torch.fusion import stack_weights

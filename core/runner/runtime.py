@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import functools
-from typing import Any, AsyncIterator, Callable
+from typing import AsyncIterator, Callable
 
 import attrs
 import trio
