@@ -523,3 +523,21 @@ def test_a_graph_runs_compiled_from_its_second_run_with_the_same_results_and_rel
     graph.record(torch.neg, total)  # recording more makes a new plan, interpreted first
     graph.compute(total)
     assert graph._plan.runs == 1 and graph._plan._compiled is None
+
+
+@pytest.mark.parametrize("int8_hardware", [True, False], ids=["vnni", "no-vnni"])
+def test_int8_prompt_rows_are_batch_invariant_with_or_without_int8_hardware(monkeypatch, int8_hardware):
+    # Without VNNI, torch._int_mm is far slower than the row kernel, so prompt rows take the row kernel.
+    monkeypatch.setattr(torch_native, "takes_int8_rows", lambda codes: False)
+    monkeypatch.setattr(torch_native, "int8_products_are_fast", lambda: int8_hardware)
+    gen = torch.Generator().manual_seed(0)
+    weight = torch_weights.Int8Weight(
+        torch.randint(-127, 128, (48, 64), dtype=torch.int8, generator=gen), (torch.rand(48, generator=gen) / 100).bfloat16()
+    )
+    x = torch.randn(40, 64, generator=gen)
+    prompt = weight.matmul(x)  # one run of 40 rows: a prompt chunk
+    alone = torch.cat([weight.matmul(x[i : i + 1]) for i in range(len(x))])
+    reference = x @ weight.dequantized().t()
+    assert torch.allclose(prompt.float(), reference, rtol=0.02, atol=0.02)
+    if not int8_hardware:
+        assert torch.equal(prompt, alone)  # the row kernel for every row
