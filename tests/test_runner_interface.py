@@ -21,25 +21,18 @@ def open_runner(request, tmp_path):
     return lambda: opener(str(path), **SIZES)
 
 
-async def test_each_runner_is_a_runner(open_runner):
+async def test_each_runner_serves_through_the_one_interface(open_runner):
+    # One runner per test costs a child process's start (seconds): the read-only checks share it.
     async with open_runner() as runner:
         assert isinstance(runner, Runner)
         assert runner.alive and runner.vocab_size > 0 and runner.info.context_length >= runner.num_ctx
-
-
-async def test_a_generation_streams_through_the_one_stream_type(open_runner):
-    async with open_runner() as runner:
-        async with runner.generate("hello", GREEDY, raw=True) as stream:
+        ids = await runner.tokenize("hello world", add_special=False)
+        async with runner.generate("hello world", GREEDY, raw=True) as stream:
             assert isinstance(stream, Stream)
             text, final = await stream.collect()
         assert final.done and final.eval_count == 4 and isinstance(text, str)
-
-
-async def test_the_status_counts_what_was_served(open_runner):
-    async with open_runner() as runner:
-        ids = await runner.tokenize("hello world", add_special=False)
-        async with runner.generate("hello world", GREEDY, raw=True) as stream:
-            await stream.collect()
+        with pytest.raises(EmbeddingsUnsupportedError, match="does not support embeddings"):
+            await runner.embed(["hello"])
         if isinstance(runner, RunnerProcess):
             await runner.refresh()  # else the status is the last health check's
         status = runner.status()
@@ -57,12 +50,6 @@ async def test_the_status_is_a_copy_that_crosses_the_wire(open_runner):
             await stream.collect()
         assert before.batch.steps == 0 and before.requests.requests == 0  # not a view of the live counters
         assert RunnerStatus.from_json(before.to_json()) == before
-
-
-async def test_embeddings_of_a_model_without_pooling_are_refused_with_their_type(open_runner):
-    async with open_runner() as runner:
-        with pytest.raises(EmbeddingsUnsupportedError, match="does not support embeddings"):
-            await runner.embed(["hello"])
 
 
 async def test_close_ends_the_runner(open_runner):
