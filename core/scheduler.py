@@ -23,7 +23,7 @@ import trio
 from corral import memory
 from corral.discover import context_default, effective_num_ctx, system_info
 from corral.errors import CorralError, ModelNotFoundError
-from corral.modelfile import is_go_template, model_defaults
+from corral.modelfile import model_defaults
 from corral.options import LOAD_TIME_OPTIONS
 from corral.registry import Plugins
 from corral.runner.interface import Runner
@@ -274,11 +274,7 @@ class Scheduler:
 
     def _template(self, name: str) -> str | None:
         """A Modelfile TEMPLATE to use instead of the file's, when it is a Jinja chat template."""
-        template = model_defaults(self.store, name).template
-        if template and is_go_template(template):
-            log.warning("%s: its TEMPLATE is an Ollama Go template, which corral cannot render; using the file's", name)
-            return None
-        return template or None
+        return model_defaults(self.store, name).chat_template(name)
 
     def _release(self, entry: Loaded, keep_alive: float) -> None:
         entry.users -= 1
