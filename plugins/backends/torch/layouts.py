@@ -305,7 +305,7 @@ class Int8Weight:
     def quantize(cls, weight: torch.Tensor) -> Int8Weight:
         """Round a float weight to int8 per output row; the scale is chosen exact in bf16."""
         amax = weight.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny)
-        scales = _bf16_at_least(amax / 127)
+        scales = rounded(amax / 127, torch.bfloat16, up=True).to(torch.bfloat16)  # |w| / scale never exceeds 127
         codes = torch.round(weight / scales.float()[:, None]).clamp_(-127, 127).to(torch.int8)
         return cls(codes, scales)
 
@@ -357,13 +357,6 @@ class Int8Weight:
         if native.takes_int8_rows(self.codes):
             return native.int8_rows_matmul(x, self.codes, self.scales)
         return torch._weight_int8pack_mm(x.to(torch.bfloat16), self.codes, self.scales)
-
-
-def _bf16_at_least(values: torch.Tensor) -> torch.Tensor:
-    """The smallest bf16 >= each value, so that |w| / scale never exceeds 127."""
-    rounded = values.to(torch.bfloat16)
-    low = rounded.float() < values
-    return torch.where(low, torch.nextafter(rounded, torch.full_like(rounded, float("inf"))), rounded)
 
 
 @attrs.frozen
