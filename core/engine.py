@@ -10,6 +10,7 @@ The Trio runtime builds on the same pieces (model, backend, cache, tokenizer, te
 from __future__ import annotations
 
 import concurrent.futures
+import copy
 import os
 import pathlib
 import time
@@ -97,10 +98,13 @@ class LoadedModel:
             load_seconds=load_seconds,
         )
 
-    def use_template(self, source: str) -> None:
-        """Render chats with `source` (a Jinja chat template, e.g. a Modelfile's TEMPLATE) instead of the file's."""
+    def with_template(self, source: str) -> LoadedModel:
+        """The same loaded weights rendering chats with `source` (a Jinja chat template, e.g. a Modelfile's
+        TEMPLATE) instead of the file's; this model keeps its own template."""
         metadata = {**self.gguf.metadata, "tokenizer.chat_template": source}
-        self.template = ChatTemplate.from_metadata(metadata, self.model.default_chat_template())
+        other = copy.copy(self)
+        other.template = ChatTemplate.from_metadata(metadata, self.model.default_chat_template())
+        return other
 
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
         """Token ids of `text` (BOS added when the model wants it and add_special is true)."""

@@ -77,7 +77,7 @@ def load_once():
     """`load(path, precision="auto")`: `load_model`, each path and precision loaded once per session.
 
     Weights are read-only once loaded, so every test may share them; a KV cache stays per test. (A
-    `use_template` call, as `Runtime.open(template=...)` makes, would change the model for later tests.)
+    template change would have to go through `with_template`, which leaves the shared model as it is.)
     """
     from corral.engine import load_model
 

@@ -58,3 +58,14 @@ async def test_close_ends_the_runner(open_runner):
         with trio.fail_after(10):
             await runner.exited.wait()
         assert not runner.alive
+
+
+async def test_a_template_for_a_loaded_model_leaves_the_model_as_it_was(tmp_path):
+    from corral.engine import load_model
+
+    loaded = load_model(write_tiny_llama(tmp_path / "tiny.gguf"))
+    before = loaded.template.source
+    async with Runtime.open(loaded, num_parallel=1, num_ctx=64, num_batch=16, template="[{{ messages[0]['content'] }}]") as rt:
+        assert rt.model.template.render([{"role": "user", "content": "x"}]) == "[x]"
+        assert rt.model.model is loaded.model  # the same weights
+    assert loaded.template.source == before

@@ -117,7 +117,7 @@ class Runtime:
                 functools.partial(load_model, model, precision=precision, device=device, plugins=plugins, num_thread=num_thread)
             )
         if template:
-            loaded.use_template(template)
+            loaded = loaded.with_template(template)  # a model the caller passed in stays as it was
         cache = await compute.run(new_cache, loaded, min(num_ctx, loaded.info.context_length), num_parallel, num_batch)
         async with trio.open_nursery() as nursery:
             runtime = cls(loaded, cache, nursery, plugins, num_parallel, num_ctx, num_batch)
