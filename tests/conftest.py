@@ -29,12 +29,25 @@ REFERENCE = pathlib.Path(__file__).resolve().parent / "reference"
 
 # Fixtures that pull a real model into the store; everything that needs a real model depends on one.
 REAL_MODEL_FIXTURES = frozenset({"smollm2_path", "gemma3_path"})
+# Fixtures that need llama.cpp's sources (downloaded from PyPI once, then cached; see peers.py).
+PEER_FIXTURES = frozenset({"llama_cpp_dir"})
 
 
 def pytest_collection_modifyitems(items):
     for item in items:
-        if REAL_MODEL_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+        fixtures = getattr(item, "fixturenames", ())
+        if REAL_MODEL_FIXTURES.intersection(fixtures):
             item.add_marker(pytest.mark.real_model)
+        if PEER_FIXTURES.intersection(fixtures):
+            item.add_marker(pytest.mark.peers)
+
+
+@pytest.fixture(scope="session")
+def llama_cpp_dir() -> pathlib.Path:
+    """llama.cpp's source tree (converter, vocab suite, templates), fetched once into CORRAL_PEERS."""
+    import peers
+
+    return peers.llama_cpp_sources()
 
 
 @pytest.fixture(autouse=True)
