@@ -16,20 +16,54 @@ from __future__ import annotations
 
 from typing import Any, Protocol, Sequence
 
+import attrs
 import numpy as np
 
 from corral.gguf import GGUFFile, TensorInfo
 
 # Roles a backend loads a tensor for; each may get its own layout (packed int4 for "linear", ...).
-ROLES = ("linear", "logits", "embedding", "vector")
+# "experts": a 3-D [experts, out, in] stack of linears, kept packed, of which `expert_linear` reads
+# only the selected ones.
+ROLES = ("linear", "logits", "embedding", "vector", "experts")
+
+
+@attrs.frozen
+class Yarn:
+    """YaRN's frequency blend (ggml's rope_yarn): low frequencies interpolated, high ones kept."""
+
+    original_context: int  # the context the model was trained with
+    ext_factor: float = 1.0  # how much of the blend applies (0: plain interpolation)
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+
+
+@attrs.frozen
+class Rope:
+    """How one layer rotates q and k; `ctx.rope(x, positions, rope)`.
+
+    The angle of feature pair i at position p is p * scale * base^(-2i/dims) / freq_factors[i];
+    cos and sin are multiplied by `attn_factor` (YaRN's and LongRoPE's magnitude correction).
+    """
+
+    dims: int  # leading features that rotate; the rest pass through
+    base: float
+    scale: float = 1.0  # 1 / linear scaling factor
+    neox: bool = False  # rotate halves (NeoX) rather than adjacent pairs (ggml's default)
+    freq_factors: Any = attrs.field(default=None, eq=False)  # a loaded vector [dims/2] (Llama 3's rope_freqs, LongRoPE's factors)
+    attn_factor: float = 1.0
+    yarn: Yarn | None = None
 
 
 class Tensor(Protocol):
-    """A node of the graph being built; `+` and `*` are the elementwise add and mul ops."""
+    """A node of the graph being built; `+ - * /` are elementwise (with broadcasting) over nodes or Python numbers."""
 
-    def __add__(self, other: Tensor) -> Tensor: ...
+    def __add__(self, other: Tensor | float) -> Tensor: ...
 
-    def __mul__(self, other: Tensor) -> Tensor: ...
+    def __sub__(self, other: Tensor | float) -> Tensor: ...
+
+    def __mul__(self, other: Tensor | float) -> Tensor: ...
+
+    def __truediv__(self, other: Tensor | float) -> Tensor: ...
 
 
 class Context(Protocol):
@@ -50,11 +84,18 @@ class Context(Protocol):
     def layer_norm(self, x: Tensor, weight: Any, bias: Any, eps: float) -> Tensor:
         """Layer normalisation over the last dim."""
 
-    def rope(self, x: Tensor, positions: Tensor, *, dims: int, base: float, scale: float = 1.0, neox: bool) -> Tensor:
-        """Rotary embedding of x [n, heads, head_dim]; `neox` rotates halves, otherwise adjacent pairs (ggml)."""
+    def rope(self, x: Tensor, positions: Tensor, rope: Rope) -> Tensor:
+        """Rotary embedding of x [n, heads, head_dim] as `rope` says."""
 
-    def attention(self, q: Tensor, k: Tensor, v: Tensor, cache: Any, layer: int, scale: float) -> Tensor:
-        """Write k, v [n, kv_heads, d] into the cache and attend q [n, heads, d] -> [n, heads * dv]."""
+    def attention(
+        self, q: Tensor, k: Tensor, v: Tensor, cache: Any, layer: int, scale: float, *, softcap: float | None = None, sinks: Any = None
+    ) -> Tensor:
+        """Write k, v [n, kv_heads, d] into the cache and attend q [n, heads, d] -> [n, heads * dv].
+
+        `softcap`: scores become softcap * tanh(scores / softcap) before the softmax (Gemma 2).
+        `sinks`: a loaded vector [heads] of per-head logits that join each row's softmax without a
+        value (gpt-oss's attention sinks).
+        """
 
     def cached_keys(self, keys: Any, cells: Tensor) -> Tensor:
         """Keys stored in a cache buffer at `cells`, as [n, kv_heads, dim]."""
@@ -70,11 +111,44 @@ class Context(Protocol):
     def split(self, x: Tensor, sizes: Sequence[int], dim: int = -1) -> tuple[Tensor, ...]:
         """Cut x along `dim` into consecutive parts of `sizes` (a fused QKV projection into q, k, v)."""
 
+    def concat(self, xs: Sequence[Tensor], dim: int = -1) -> Tensor: ...
+
+    def expand(self, x: Tensor, shape: Sequence[int]) -> Tensor:
+        """Broadcast size-1 dims of x to `shape` (-1 keeps a dim)."""
+
     def scale(self, x: Tensor, factor: float) -> Tensor: ...
 
     def silu(self, x: Tensor) -> Tensor: ...
 
-    def gelu(self, x: Tensor, approximate: str = "tanh") -> Tensor: ...
+    def gelu(self, x: Tensor, approximate: str = "tanh") -> Tensor:
+        """GELU; `approximate="none"` is the exact erf form."""
+
+    def relu(self, x: Tensor) -> Tensor: ...
+
+    def sigmoid(self, x: Tensor) -> Tensor: ...
+
+    def softmax(self, x: Tensor) -> Tensor:
+        """Softmax over the last dim, in float32."""
+
+    def softcap(self, x: Tensor, cap: float) -> Tensor:
+        """cap * tanh(x / cap) (Gemma 2's final logits)."""
+
+    def clamp(self, x: Tensor, min: float | None = None, max: float | None = None) -> Tensor: ...
+
+    def sum(self, x: Tensor, dim: int = -1, keepdim: bool = False) -> Tensor: ...
+
+    def top_k(self, x: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        """The k largest values along the last dim, descending, and their indices (routing over expert scores)."""
+
+    def gather(self, x: Tensor, indices: Tensor) -> Tensor:
+        """x's values at `indices` along the last dim (the chosen experts' scores)."""
+
+    def expert_linear(self, x: Tensor, experts: Any, ids: Tensor, bias: Any = None) -> Tensor:
+        """ggml's mul_mat_id: for each row r and slot j, x[r] (or x[r, j] when x is [n, k, in]) times
+        expert ids[r, j] of a loaded "experts" weight [experts, out, in] (+ bias[ids[r, j]]) -> [n, k, out].
+
+        Only the selected experts' weights are read.
+        """
 
     def compute(self, *outputs: Tensor) -> list[Any]:
         """Run the graph and return `outputs` as torch tensors on the backend's device."""

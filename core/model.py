@@ -4,7 +4,8 @@ An architecture is a class with:
 * `Config`: an attrs class whose fields name their GGUF keys (`gguf_key("block_count")` reads
   `<arch>.block_count`), built by `config_from_gguf`;
 * tensor fields bound by GGUF name (`tensor("attn_q")` in a block reads `blk.{i}.attn_q.weight`),
-  built by `bind_tensors`;
+  and module fields binding a shared block of nn.py under a name pattern (`module(Attention,
+  "attn_{}")` binds its `q` to `attn_q`, like Ollama's nested structs), built by `TensorBinder`;
 * `forward(ctx, batch, cache)` that only builds ops against the backend context and returns the
   logits of the rows in `batch.outputs`;
 * `cache_layout(config)` describing the KV cache it needs (one `CacheLayer` per block), from the
@@ -25,6 +26,7 @@ from corral.gguf import GGUFFile, TensorInfo
 
 _GGUF_KEY = "corral.gguf_key"
 _TENSOR = "corral.tensor"
+_MODULE = "corral.module"
 
 
 @attrs.frozen
@@ -82,13 +84,40 @@ def config_from_gguf(config_cls: type, gguf: GGUFFile, arch: str) -> Any:
     return config_cls(**values)
 
 
-def tensor(name: str, layer: type, *, fallback: str | None = None, optional: bool = False) -> Any:
+def tensor(name: str, layer: type, *, fallback: str | None = None, optional: bool = False, suffix: str = "weight") -> Any:
     """A field holding a `layer` (nn.Linear, nn.RMSNorm, ...) bound to the GGUF tensor `name`.
 
     Inside a block the binder prefixes `blk.{i}.`; `fallback` names the tensor to use when `name`
-    is absent (`output` -> `token_embd` for tied embeddings).
+    is absent (`output` -> `token_embd` for tied embeddings). The layer's main tensor is
+    `<name>.<suffix>` (`weight`; a few files store a lone `bias`), and `<name>.bias` its bias.
     """
-    return attrs.field(default=None, metadata={_TENSOR: (name, layer, fallback, optional)})
+    return attrs.field(default=None, metadata={_TENSOR: (name, layer, fallback, optional, suffix)})
+
+
+def module(cls: type, names: str = "{}", *, optional: bool = False) -> Any:
+    """A field holding `cls` (an attrs class with tensor fields: nn.Attention, nn.GatedMLP, ...) bound
+    with each of its tensor names put into the pattern `names` (`"attn_{}"`: `q` -> `attn_q`).
+
+    An optional module is None when none of its tensors is in the file (shared experts, say).
+    """
+    return attrs.field(default=None, metadata={_MODULE: (cls, names, optional)})
+
+
+def bound_layers(obj: Any) -> list[Any]:
+    """Every layer (nn.Linear, nn.RMSNorm, ...) bound into `obj` and the modules inside it; a
+    model's own and its blocks'."""
+    found = []
+    for field in attrs.fields(type(obj)):
+        value = getattr(obj, field.name)
+        if value is None:
+            continue
+        if _TENSOR in field.metadata:
+            found.append(value)
+        elif _MODULE in field.metadata:
+            found += bound_layers(value)
+    for block in getattr(obj, "blocks", ()) if isinstance(obj, Model) else ():
+        found += bound_layers(block)
+    return found
 
 
 @attrs.define
@@ -99,39 +128,58 @@ class TensorBinder:
     backend: Any
     loaded: dict[tuple[str, str], Any] = attrs.field(factory=dict)  # (GGUF name, role) -> the backend's tensor
 
-    def bind(self, cls: type, prefix: str = "", **extra: Any) -> Any:
-        """Instantiate `cls`, loading every `tensor(...)` field from `prefix + name`."""
+    def bind(self, cls: type, prefix: str = "", names: str = "{}", **extra: Any) -> Any:
+        """Instantiate `cls`, loading every `tensor(...)` field from `prefix + names.format(name)`
+        and binding every `module(...)` field with its pattern nested in `names`."""
         values = dict(extra)
         for field in attrs.fields(cls):
-            spec = field.metadata.get(_TENSOR)
-            if spec is None:
-                continue
-            name, layer_type, fallback, optional = spec
-            values[field.name] = self.layer(layer_type, prefix + name, fallback and prefix + fallback, optional)
+            if _TENSOR in field.metadata:
+                name, layer_type, fallback, optional, suffix = field.metadata[_TENSOR]
+                full = prefix + names.format(name)
+                values[field.name] = self.layer(layer_type, full, fallback and prefix + names.format(fallback), optional, suffix)
+            elif _MODULE in field.metadata:
+                child, child_names, optional = field.metadata[_MODULE]
+                nested = names.format(child_names)
+                if optional and not self._any_present(child, prefix, nested):
+                    values[field.name] = None
+                else:
+                    values[field.name] = self.bind(child, prefix, nested)
         return cls(**values)
 
-    def layer(self, layer_type: Any, name: str, fallback: str | None, optional: bool) -> Any:
-        """A layer module (Linear, RMSNorm, ...) built from `<name>.weight` and, if present, `<name>.bias`."""
-        found = self._first_present(name, fallback)
+    def layer(self, layer_type: Any, name: str, fallback: str | None, optional: bool, suffix: str = "weight") -> Any:
+        """A layer module (Linear, RMSNorm, ...) built from `<name>.<suffix>` and, if present, `<name>.bias`."""
+        found = self._first_present(name, fallback, suffix)
         if found is None:
             if optional:
                 return None
             raise MissingTensorError(
-                f"{self.gguf.path}: tensor '{name}.weight' is missing"
-                + (f" (and so is its fallback '{fallback}.weight')" if fallback else "")
+                f"{self.gguf.path}: tensor '{name}.{suffix}' is missing"
+                + (f" (and so is its fallback '{fallback}.{suffix}')" if fallback else "")
                 + "; the file does not match its architecture"
             )
-        role = layer_type.role
-        weight = self._load(f"{found}.weight", role)
+        weight = self._load(f"{found}.{suffix}", layer_type.role)
         bias_name = f"{found}.bias"
-        bias = self._load(bias_name, "vector") if bias_name in self.gguf.tensors else None
+        bias = self._load(bias_name, "vector") if bias_name in self.gguf.tensors and suffix != "bias" else None
         return layer_type(weight, bias)
 
-    def _first_present(self, name: str, fallback: str | None) -> str | None:
+    def _first_present(self, name: str, fallback: str | None, suffix: str = "weight") -> str | None:
         for candidate in (name, fallback):
-            if candidate and f"{candidate}.weight" in self.gguf.tensors:
+            if candidate and f"{candidate}.{suffix}" in self.gguf.tensors:
                 return candidate
         return None
+
+    def _any_present(self, cls: type, prefix: str, names: str) -> bool:
+        """Whether any tensor `cls` (or a module inside it) declares is in the file."""
+        for field in attrs.fields(cls):
+            if _TENSOR in field.metadata:
+                name, _, fallback, _, suffix = field.metadata[_TENSOR]
+                if self._first_present(prefix + names.format(name), fallback and prefix + names.format(fallback), suffix):
+                    return True
+            elif _MODULE in field.metadata:
+                child, child_names, _ = field.metadata[_MODULE]
+                if self._any_present(child, prefix, names.format(child_names)):
+                    return True
+        return False
 
     def _load(self, full_name: str, role: str) -> Any:
         key = (full_name, role)

@@ -1,13 +1,21 @@
-"""Layers shared by architectures, written against the Context ops of ml.py.
+"""Layers and blocks shared by architectures, written against the Context ops of ml.py.
 
-Each layer holds backend weights and says which `role` the binder loads them for.
+Each layer holds backend weights and says which `role` the binder loads them for. The blocks
+(Attention, GatedMLP, MLP, MoE) are attrs classes of layers that an architecture binds at a name
+pattern with `model.module` and calls with options from its config: an architecture file says
+only what differs.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, ClassVar
 
 import attrs
+
+from corral.errors import MissingTensorError
+from corral.ml import Rope
+from corral.model import module, tensor
 
 
 @attrs.frozen
@@ -55,3 +63,199 @@ class LayerNorm:
 
     def __call__(self, ctx: Any, x: Any, eps: float) -> Any:
         return ctx.layer_norm(x, self.weight, self.bias, eps)
+
+
+@attrs.frozen
+class Vector:
+    """A loaded vector used as is (Llama 3's rope_freqs, gpt-oss's attention sinks, a routing bias)."""
+
+    role: ClassVar[str] = "vector"
+    weight: Any
+    bias: Any = None
+
+
+@attrs.frozen
+class Experts:
+    """A stack of expert linears [experts, out, in] (+ bias [experts, out]); `ids` picks one per slot."""
+
+    role: ClassVar[str] = "experts"
+    weight: Any
+    bias: Any = None
+
+    def __call__(self, ctx: Any, x: Any, ids: Any) -> Any:
+        return ctx.expert_linear(x, self.weight, ids, self.bias)
+
+
+# --- activations ------------------------------------------------------------------------------
+
+# gpt-oss's clamped SwiGLU: gate * sigmoid(1.702 gate) * (up + 1), both clamped to +-7 first.
+OAI_SWIGLU_ALPHA, OAI_SWIGLU_LIMIT = 1.702, 7.0
+
+
+def activate(ctx: Any, name: str, x: Any) -> Any:
+    """The activation `name` of x: "silu", "gelu" (tanh form), "gelu_erf", "relu"."""
+    if name == "silu":
+        return ctx.silu(x)
+    if name == "gelu":
+        return ctx.gelu(x)
+    if name == "gelu_erf":
+        return ctx.gelu(x, approximate="none")
+    if name == "relu":
+        return ctx.relu(x)
+    raise ValueError(f"unknown activation {name!r}")
+
+
+def gated(ctx: Any, name: str, gate: Any, up: Any) -> Any:
+    """activation(gate) * up, or gpt-oss's clamped form for "swiglu_oai"."""
+    if name == "swiglu_oai":
+        gate = ctx.clamp(gate, max=OAI_SWIGLU_LIMIT)
+        up = ctx.clamp(up, min=-OAI_SWIGLU_LIMIT, max=OAI_SWIGLU_LIMIT)
+        return gate * ctx.sigmoid(ctx.scale(gate, OAI_SWIGLU_ALPHA)) * (up + 1.0)
+    return activate(ctx, name, gate) * up
+
+
+# --- blocks shared by architectures, bound with `module(cls, "attn_{}")` ----------------------
+
+
+@attrs.frozen
+class AttentionOptions:
+    """What one layer's attention does, from the architecture's config."""
+
+    heads: int
+    kv_heads: int
+    key_dim: int
+    value_dim: int
+    rope: Rope | None  # None: this layer has no rotary embedding (NoPE)
+    scale: float | None = None  # None: 1 / sqrt(key_dim)
+    norm_eps: float = 1e-6  # of the q/k norms
+    qk_norm: str = "head"  # q/k norms over each head ("head": Qwen 3, Gemma) or over all heads' features ("full": OLMo 2)
+    softcap: float | None = None
+
+
+@attrs.frozen
+class Attention:
+    """Self-attention: q, k, v (or one fused qkv) projections with optional biases, optional q/k
+    norms, RoPE, optional sinks, the output projection."""
+
+    q: Linear = tensor("q", Linear, optional=True)
+    k: Linear = tensor("k", Linear, optional=True)
+    v: Linear = tensor("v", Linear, optional=True)
+    qkv: Linear = tensor("qkv", Linear, optional=True)
+    output: Linear = tensor("output", Linear)
+    q_norm: RMSNorm = tensor("q_norm", RMSNorm, optional=True)
+    k_norm: RMSNorm = tensor("k_norm", RMSNorm, optional=True)
+    sinks: Vector = tensor("sinks", Vector, optional=True)
+
+    def __attrs_post_init__(self) -> None:
+        if self.qkv is None and None in (self.q, self.k, self.v):
+            raise MissingTensorError("attention needs q, k and v projections or a fused qkv one; the file has neither")
+
+    def __call__(self, ctx: Any, x: Any, positions: Any, cache: Any, layer: int, opt: AttentionOptions) -> Any:
+        q, k, v = self.project(ctx, x, positions, opt)
+        attn = ctx.attention(
+            q, k, v, cache, layer, opt.scale or 1.0 / math.sqrt(opt.key_dim), softcap=opt.softcap, sinks=self.sinks and self.sinks.weight
+        )
+        return self.output(ctx, attn)
+
+    def project(self, ctx: Any, x: Any, positions: Any, opt: AttentionOptions) -> tuple[Any, Any, Any]:
+        """q, k, v as [n, heads, dim], normed and rotated."""
+        if self.qkv is not None:
+            q, k, v = ctx.split(self.qkv(ctx, x), (opt.heads * opt.key_dim, opt.kv_heads * opt.key_dim, opt.kv_heads * opt.value_dim))
+        else:
+            q, k, v = self.q(ctx, x), self.k(ctx, x), self.v(ctx, x)
+        if opt.qk_norm == "full" and self.q_norm is not None:
+            q, k = self.q_norm(ctx, q, opt.norm_eps), self.k_norm(ctx, k, opt.norm_eps)
+        q = ctx.reshape(q, (-1, opt.heads, opt.key_dim))
+        k = ctx.reshape(k, (-1, opt.kv_heads, opt.key_dim))
+        v = ctx.reshape(v, (-1, opt.kv_heads, opt.value_dim))
+        if opt.qk_norm == "head" and self.q_norm is not None:
+            q, k = self.q_norm(ctx, q, opt.norm_eps), self.k_norm(ctx, k, opt.norm_eps)
+        if opt.rope is not None:
+            q, k = ctx.rope(q, positions, opt.rope), ctx.rope(k, positions, opt.rope)
+        return q, k, v
+
+
+@attrs.frozen
+class GatedMLP:
+    """down(act(gate(x)) * up(x)); with no `gate` tensor, `up` holds gate and up side by side (Phi-3)."""
+
+    gate: Linear = tensor("gate", Linear, optional=True)
+    up: Linear = tensor("up", Linear)
+    down: Linear = tensor("down", Linear)
+
+    def __call__(self, ctx: Any, x: Any, activation: str = "silu", width: int | None = None) -> Any:
+        """`width`: the feed-forward length, needed to cut a fused gate/up projection."""
+        if self.gate is None:
+            gate, up = ctx.split(self.up(ctx, x), (width, width))
+        else:
+            gate, up = self.gate(ctx, x), self.up(ctx, x)
+        return self.down(ctx, gated(ctx, activation, gate, up))
+
+
+@attrs.frozen
+class MLP:
+    """down(act(up(x))), with biases where the file has them (GPT-2, StarCoder 2)."""
+
+    up: Linear = tensor("up", Linear)
+    down: Linear = tensor("down", Linear)
+
+    def __call__(self, ctx: Any, x: Any, activation: str = "gelu") -> Any:
+        return self.down(ctx, activate(ctx, activation, self.up(ctx, x)))
+
+
+@attrs.frozen
+class MoEOptions:
+    """How a mixture-of-experts layer routes, from the architecture's config."""
+
+    experts_used: int
+    # "softmax": probabilities over all experts, the top ones chosen (Mixtral, Qwen 3 MoE);
+    # "sigmoid": independent scores (DeepSeek V3); "softmax_chosen": the top logits chosen, then
+    # a softmax over those alone (gpt-oss).
+    gating: str = "softmax"
+    normalize: bool = False  # the chosen weights rescaled to sum to 1
+    scale: float = 1.0  # the routed experts' output multiplied by it
+    activation: str = "silu"
+
+
+@attrs.frozen
+class MoE:
+    """A router over expert stacks (bound at the file's own names: `ffn_gate_inp`, `ffn_*_exps`,
+    `exp_probs_b`), and shared experts where the file has them (`ffn_*_shexp`)."""
+
+    router: Linear = tensor("ffn_gate_inp", Linear)
+    gate: Experts = tensor("ffn_gate_exps", Experts)
+    up: Experts = tensor("ffn_up_exps", Experts)
+    down: Experts = tensor("ffn_down_exps", Experts)
+    selection_bias: Vector = tensor("exp_probs_b", Vector, optional=True, suffix="bias")  # added to scores for choosing only
+    shared: GatedMLP | None = module(GatedMLP, "ffn_{}_shexp", optional=True)
+
+    def __call__(self, ctx: Any, x: Any, opt: MoEOptions) -> Any:
+        weights, ids = self.route(ctx, x, opt)
+        k = opt.experts_used
+        hidden = gated(ctx, opt.activation, self.gate(ctx, x, ids), self.up(ctx, x, ids))  # [n, k, ff]
+        outputs = self.down(ctx, hidden, ids)  # [n, k, dim]
+        y = ctx.sum(outputs * ctx.reshape(weights, (-1, k, 1)), dim=1)
+        if opt.scale != 1.0:
+            y = ctx.scale(y, opt.scale)
+        if self.shared is not None:
+            y = y + self.shared(ctx, x, opt.activation)
+        return y
+
+    def route(self, ctx: Any, x: Any, opt: MoEOptions) -> tuple[Any, Any]:
+        """Each row's chosen experts [n, k] and their weights [n, k]."""
+        logits = self.router(ctx, x)
+        if opt.gating == "softmax_chosen":
+            chosen, ids = ctx.top_k(logits, opt.experts_used)
+            return ctx.softmax(chosen), ids
+        if opt.gating == "softmax":
+            scores = ctx.softmax(logits)
+        elif opt.gating == "sigmoid":
+            scores = ctx.sigmoid(logits)
+        else:
+            raise ValueError(f"unknown gating {opt.gating!r}")
+        selection = scores if self.selection_bias is None else scores + self.selection_bias.weight
+        _, ids = ctx.top_k(selection, opt.experts_used)
+        weights = ctx.gather(scores, ids)
+        if opt.normalize:
+            weights = weights / ctx.sum(weights, dim=-1, keepdim=True)
+        return weights, ids

@@ -6,14 +6,14 @@ import ast
 import pathlib
 import re
 
-import attrs
 import pytest
+from tiny_gguf import write_tiny_llama
 
 from corral.memory import estimate
+from corral.model import bound_layers
 from corral.plugins.architectures.gemma3 import Gemma3Model
 from corral.registry import Plugins
 from corral.template import CHATML
-from tiny_gguf import write_tiny_llama
 
 CORE = pathlib.Path(__file__).resolve().parent.parent / "core"
 # GGUF names its tokenizer types after the model that introduced them (`tokenizer.ggml.model`,
@@ -40,10 +40,7 @@ def code_strings(path: pathlib.Path) -> list[str]:
 
 def held_bytes(loaded) -> int:
     """What the backend holds for the model's layers (a tied embedding once per role)."""
-    model = loaded.model
-    layers = [getattr(block, field.name) for block in model.blocks for field in attrs.fields(type(block))]
-    layers += [getattr(model, field.name) for field in attrs.fields(type(model)) if field.name not in ("config", "blocks")]
-    return sum(loaded.backend.weight_bytes(layer.weight) for layer in layers if layer is not None)
+    return sum(loaded.backend.weight_bytes(layer.weight) for layer in bound_layers(loaded.model))
 
 
 def test_core_names_no_architecture_in_its_code():

@@ -1,12 +1,13 @@
 """The scheduler on a live server: queue limits, keep-alive, eviction, reloads, memory-aware sizes."""
 
-import attrs
+
 import httpx
 import pytest
 import trio
 from conftest import copy_store
 
 from corral import memory
+from corral.model import bound_layers
 from corral.scheduler import parse_keep_alive
 from corral.server.serve import serve
 from corral.store import Store
@@ -128,7 +129,5 @@ def test_memory_estimate_of_the_weights_matches_what_the_backend_loads(smollm2_p
     from corral.engine import load_model
 
     model = load_model(smollm2_path)
-    layers = [getattr(block, field.name) for block in model.model.blocks for field in attrs.fields(type(block))]
-    layers += [model.model.token_embd, model.model.output_norm, model.model.output]
-    loaded = sum(model.backend.weight_bytes(layer.weight) for layer in layers)
+    loaded = sum(model.backend.weight_bytes(layer.weight) for layer in bound_layers(model.model))
     assert memory.estimate(smollm2_path, 1024, 1).weights == pytest.approx(loaded, rel=0.02)

@@ -56,15 +56,28 @@ class AttentionMemo:
 
 
 def attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Any, layer: int, scale: float, memo: AttentionMemo | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache: Any,
+    layer: int,
+    scale: float,
+    memo: AttentionMemo | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Store the batch's k/v [n, kv_heads, dim] in its cells of `layer`, then each row's attention
-    over its sequence's cells: [n, heads * dim] in the cache's dtype. `memo`: the graph's (see AttentionMemo)."""
+    over its sequence's cells: [n, heads * dim] in the cache's dtype. `memo`: the graph's (see
+    AttentionMemo); `softcap` and `sinks` as ml.Context.attention says."""
     keys, values = cache.keys(layer), cache.values(layer)  # [kv_heads, cells, dim]
     cells = cache.layer_slots(layer)
     groups = cache.layer_groups(layer)
     if memo is None:
         memo = AttentionMemo()
+    if softcap is not None or sinks is not None:
+        _write_cells(keys, cells, k)
+        _write_cells(values, cells, v)
+        return _scored_attention(q, keys, values, groups, scale, softcap, sinks)
     if memo.takes_row_attention(q, keys, values):
         regions, decode_only = memo.row_regions(groups, cells, q.shape[0])
         if decode_only:
@@ -99,6 +112,34 @@ def attention(
         for group, result in zip(groups, attended):
             out[group.rows] = result
     return out.reshape(q.shape[0], -1)
+
+
+def _scored_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, groups: list[Any], scale: float, softcap: float | None, sinks: Any
+) -> torch.Tensor:
+    """Attention whose scores change before the softmax (soft-capped, or joined by sink logits),
+    which SDPA cannot do: the scores written out, in float32, one sequence at a time (so a row's
+    result depends on its own sequence alone)."""
+    heads, kv_heads = q.shape[1], keys.shape[0]
+    out = q.new_empty((q.shape[0], heads, values.shape[-1]), dtype=torch.float32)
+    for group in groups:
+        cells = slice(group.start, group.start + group.used)
+        queries = q[group.rows].float().transpose(0, 1)  # [heads, rows, dim]
+        k = keys[:, cells].float().repeat_interleave(heads // kv_heads, dim=0)  # [heads, used, dim]
+        v = values[:, cells].float().repeat_interleave(heads // kv_heads, dim=0)
+        scores = torch.matmul(queries, k.transpose(1, 2)) * scale  # [heads, rows, used]
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        if group.mask is not None:
+            scores = scores.masked_fill(~group.mask, float("-inf"))
+        if sinks is not None:
+            # A sink is one more logit in each row's softmax, with no value to weigh.
+            sink = sinks.float().reshape(heads, 1, 1).expand(heads, scores.shape[1], 1)
+            weights = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
+        else:
+            weights = torch.softmax(scores, dim=-1)
+        out[group.rows] = torch.matmul(weights, v).transpose(0, 1)
+    return out.to(keys.dtype).reshape(q.shape[0], -1)
 
 
 def _compute_dtype(rows: int, cached: torch.dtype) -> torch.dtype:

@@ -6,6 +6,7 @@ import math
 import warnings
 from typing import Any, Sequence
 
+import attrs
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType as Q
@@ -16,6 +17,7 @@ from corral.model import Batch
 from corral.plugins.backends.torch import native
 from corral.plugins.backends.torch.context import TorchContext
 from corral.plugins.backends.torch.dequantize import DEQUANTIZERS, INT4_GROUP, dequantize, int4_blocks
+from corral.plugins.backends.torch.experts import ExpertWeights
 from corral.plugins.backends.torch.fusion import stack_weights
 from corral.plugins.backends.torch.graph import GraphCache
 from corral.plugins.backends.torch.int4_packing import pack_int4_for_cpu, pack_int4_for_cuda
@@ -32,6 +34,14 @@ def _raw_tensor(gguf: GGUFFile, info: TensorInfo) -> torch.Tensor:
         # The mapping is read-only; conversions below always produce new tensors.
         warnings.simplefilter("ignore", UserWarning)
         return torch.from_numpy(gguf.raw(info.name))
+
+
+def expert_infos(info: TensorInfo) -> list[TensorInfo]:
+    """A 3-D expert tensor [experts, out, in] as one 2-D linear per expert (its rows of the file)."""
+    if len(info.shape) != 3:
+        raise UnsupportedTensorTypeError(f"tensor '{info.name}' of shape {list(info.shape)} is not a stack of experts [experts, out, in]")
+    count, size = info.shape[0], info.nbytes // info.shape[0]
+    return [attrs.evolve(info, name=f"{info.name}[{e}]", shape=info.shape[1:], offset=info.offset + e * size, nbytes=size) for e in range(count)]
 
 
 def approximates_in_int4(rows: int, cols: int) -> bool:
@@ -77,9 +87,17 @@ class TorchBackend:
         self._stacked: dict[tuple[int, ...], tuple[Any, list[Any]]] = {}
 
     def load_tensor(self, gguf: GGUFFile, info: TensorInfo, role: str) -> Any:
-        """Convert one GGUF tensor for `role` ("linear", "logits", "embedding" or "vector")."""
-        layout = self.layout(info, role, gguf.path)
+        """Convert one GGUF tensor for `role` ("linear", "logits", "embedding", "vector" or "experts")."""
         raw = _raw_tensor(gguf, info)
+        if role == "experts":
+            parts = expert_infos(info)
+            rows = parts[0].shape[0]
+            return ExpertWeights(tuple(self._convert(raw[e * rows : (e + 1) * rows], part, "linear", gguf.path) for e, part in enumerate(parts)))
+        return self._convert(raw, info, role, gguf.path)
+
+    def _convert(self, raw: torch.Tensor, info: TensorInfo, role: str, path: Any) -> Any:
+        """One tensor's bytes [rows, row_bytes] in the layout `role` takes."""
+        layout = self.layout(info, role, path)
         cols = info.shape[-1]
         cpu = self.device.type == "cpu"
         if layout == "vector":
@@ -117,7 +135,8 @@ class TorchBackend:
     def resident_bytes(self, tensors: Sequence[tuple[TensorInfo, str]]) -> int:
         """Memory loading these (tensor, role) pairs would occupy, predicted from types and shapes alone."""
         dense_seen, total = set(), 0
-        for info, role in tensors:
+        experts = [(part, "linear") for info, role in tensors if role == "experts" for part in expert_infos(info)]
+        for info, role in [pair for pair in tensors if pair[1] != "experts"] + experts:
             layout = self.layout(info, role)
             if layout == "dense":
                 key = f"{info.name}:{self._dense_dtype(role)}"  # one dense copy serves a tied embedding's roles

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import operator
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -9,6 +10,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from corral.ml import Rope, Yarn
 from corral.model import Batch
 from corral.plugins.backends.torch import native
 from corral.plugins.backends.torch.attention import AttentionMemo, attention
@@ -60,17 +62,20 @@ class TorchContext(Graph):
     def layer_norm(self, x: Node, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> Node:
         return self.record(lambda t, w, b: F.layer_norm(t.float(), (t.shape[-1],), w, b, eps), x, weight, bias)
 
-    def rope(self, x: Node, positions: Node, *, dims: int, base: float, scale: float = 1.0, neox: bool) -> Node:
+    def rope(self, x: Node, positions: Node, rope: Rope) -> Node:
         # Every layer rotates by the same positions: build each cos/sin table once per graph.
-        key = (positions.index, dims, base, scale, neox)
+        key = (positions.index, rope, id(rope.freq_factors))
         if key not in self._rope_tables:
-            self._rope_tables[key] = self.record(_rope_table, positions, dims, base, scale, neox)
-        return self.record(_rope, x, self._rope_tables[key], dims, neox)
+            self._rope_tables[key] = self.record(_rope_table, positions, rope)
+        return self.record(_rope, x, self._rope_tables[key], rope.dims, rope.neox)
 
-    def attention(self, q: Node, k: Node, v: Node, cache: Any, layer: int, scale: float) -> Node:
+    def attention(
+        self, q: Node, k: Node, v: Node, cache: Any, layer: int, scale: float, *, softcap: float | None = None, sinks: Any = None
+    ) -> Node:
         if cache is not self.view:
             self.replayable = False
-        return self.record(attention, q, k, v, Slot("view") if cache is self.view else cache, layer, scale, self._attention)
+        view = Slot("view") if cache is self.view else cache
+        return self.record(attention, q, k, v, view, layer, scale, self._attention, softcap, sinks)
 
     def cached_keys(self, keys: Any, cells: Node) -> Node:
         return self.record(_cached_keys, keys, cells)
@@ -88,8 +93,42 @@ class TorchContext(Graph):
         parts = self.record(torch.split, x, list(sizes), dim)
         return tuple(self.record(operator.getitem, parts, i) for i in range(len(sizes)))
 
+    def concat(self, xs: Sequence[Node], dim: int = -1) -> Node:
+        return self.record(_concat, dim, *xs)
+
+    def expand(self, x: Node, shape: Sequence[int]) -> Node:
+        return self.record(torch.Tensor.expand, x, tuple(shape))
+
     def scale(self, x: Node, factor: float) -> Node:
         return self.record(torch.mul, x, factor)
+
+    def relu(self, x: Node) -> Node:
+        return self.record(F.relu, x)
+
+    def sigmoid(self, x: Node) -> Node:
+        return self.record(torch.sigmoid, x)
+
+    def softmax(self, x: Node) -> Node:
+        return self.record(_softmax, x)
+
+    def softcap(self, x: Node, cap: float) -> Node:
+        return self.record(_softcap, x, cap)
+
+    def clamp(self, x: Node, min: float | None = None, max: float | None = None) -> Node:
+        return self.record(torch.clamp, x, min, max)
+
+    def sum(self, x: Node, dim: int = -1, keepdim: bool = False) -> Node:
+        return self.record(torch.sum, x, dim, keepdim)
+
+    def top_k(self, x: Node, k: int) -> tuple[Node, Node]:
+        picked = self.record(_top_k, x, k)
+        return self.record(operator.getitem, picked, 0), self.record(operator.getitem, picked, 1)
+
+    def gather(self, x: Node, indices: Node) -> Node:
+        return self.record(torch.gather, x, -1, indices)
+
+    def expert_linear(self, x: Node, experts: Any, ids: Node, bias: Any = None) -> Node:
+        return self.record(experts.matmul_selected, x, ids, bias, Slot("runs") if self.batch is not None else None)
 
     def silu(self, x: Node) -> Node:
         return self.record(F.silu, x)
@@ -120,15 +159,64 @@ def _linear(x: torch.Tensor, weight: Any, bias: torch.Tensor | None, runs: list[
     return y if bias is None else y + bias
 
 
-def _rope_table(positions: torch.Tensor, dims: int, base: float, scale: float, neox: bool) -> Any:
+def _concat(dim: int, *xs: torch.Tensor) -> torch.Tensor:
+    return torch.cat([x.float() for x in xs] if len({x.dtype for x in xs}) > 1 else xs, dim)
+
+
+def _softmax(x: torch.Tensor) -> torch.Tensor:
+    return torch.softmax(x.float(), dim=-1)
+
+
+def _softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    return torch.tanh(x.float() / cap) * cap
+
+
+def _top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    # Sorted: the slot order sets the order the chosen experts' outputs are summed in.
+    return torch.topk(x, k, dim=-1, sorted=True)
+
+
+def _rope_table(positions: torch.Tensor, rope: Rope) -> Any:
     """The rotation of each position, laid out like the features it turns: for adjacent pairs, the
-    complex unit e^(i angle) [n, 1, dims/2]; for halves, cos and signed sin [n, 1, dims]."""
-    inv_freq = 1.0 / (base ** (torch.arange(0, dims, 2, device=positions.device, dtype=torch.float32) / dims))
-    angles = (positions.float() * scale)[:, None] * inv_freq[None, :]  # [n, dims/2]
-    if not neox:
-        return torch.polar(torch.ones_like(angles), angles)[:, None, :]
+    complex number attn_factor * e^(i angle) [n, 1, dims/2]; for halves, cos and signed sin [n, 1, dims]."""
+    dims = rope.dims
+    inv_freq = 1.0 / (rope.base ** (torch.arange(0, dims, 2, device=positions.device, dtype=torch.float32) / dims))
+    if rope.freq_factors is not None:
+        inv_freq = inv_freq / rope.freq_factors.to(positions.device, torch.float32)
+    magnitude = rope.attn_factor
+    if rope.yarn is None:
+        angles = (positions.float() * rope.scale)[:, None] * inv_freq[None, :]  # [n, dims/2]
+    else:
+        angles, magnitude = _yarn_angles(positions.float()[:, None] * inv_freq[None, :], rope, rope.yarn)
+    if not rope.neox:
+        return torch.polar(torch.full_like(angles, magnitude), angles)[:, None, :]
     cos, sin = angles.cos(), angles.sin()
+    if magnitude != 1.0:
+        cos, sin = cos * magnitude, sin * magnitude
     return torch.cat((cos, cos), -1)[:, None, :], torch.cat((-sin, sin), -1)[:, None, :]
+
+
+def _yarn_angles(extrapolated: torch.Tensor, rope: Rope, yarn: Yarn) -> tuple[torch.Tensor, float]:
+    """YaRN as ggml computes it: pairs below the correction range keep their trained angle, pairs
+    above it are interpolated by `scale`, a linear ramp between; the magnitude grows with the scaling."""
+    interpolated = extrapolated * rope.scale
+    if yarn.ext_factor == 0.0:
+        return interpolated, rope.attn_factor
+    low, high = _yarn_correction_range(rope.dims, rope.base, yarn)
+    pair = torch.arange(rope.dims // 2, device=extrapolated.device, dtype=torch.float32)
+    mix = (1.0 - ((pair - low) / max(0.001, high - low)).clamp(0.0, 1.0)) * yarn.ext_factor
+    magnitude = rope.attn_factor * (1.0 + 0.1 * math.log(1.0 / rope.scale))
+    return interpolated * (1 - mix) + extrapolated * mix, magnitude
+
+
+def _yarn_correction_range(dims: int, base: float, yarn: Yarn) -> tuple[float, float]:
+    """The first and last feature pair of YaRN's ramp: where a pair turns beta_fast resp. beta_slow
+    times over the original context."""
+
+    def pair_turning(turns: float) -> float:
+        return dims * math.log(yarn.original_context / (turns * 2 * math.pi)) / (2 * math.log(base))
+
+    return max(0.0, math.floor(pair_turning(yarn.beta_fast))), min(dims - 1.0, math.ceil(pair_turning(yarn.beta_slow)))
 
 
 def _rope(x: torch.Tensor, table: Any, dims: int, neox: bool) -> torch.Tensor:

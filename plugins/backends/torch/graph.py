@@ -26,18 +26,24 @@ GRAPHS_KEPT = 32
 
 
 class Node:
-    """A recorded op's output; supports `+` and `*` for readable model code."""
+    """A recorded op's output; supports `+ - * /` (with nodes or numbers) for readable model code."""
 
     __slots__ = ("graph", "index")
 
     def __init__(self, graph: Graph, index: int):
         self.graph, self.index = graph, index
 
-    def __add__(self, other: Node) -> Node:
+    def __add__(self, other: Node | float) -> Node:
         return self.graph.record(torch.add, self, other)
 
-    def __mul__(self, other: Node) -> Node:
+    def __sub__(self, other: Node | float) -> Node:
+        return self.graph.record(torch.sub, self, other)
+
+    def __mul__(self, other: Node | float) -> Node:
         return self.graph.record(torch.mul, self, other)
+
+    def __truediv__(self, other: Node | float) -> Node:
+        return self.graph.record(torch.div, self, other)
 
 
 class Slot:
