@@ -67,6 +67,10 @@ class DenseWeight:
     def nbytes(self) -> int:
         return self.weight.nbytes
 
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
     def matmul(self, x: torch.Tensor, runs: Runs) -> torch.Tensor:
         # A multi-row run of one sequence (a prompt chunk) gets a call of its own; single rows
         # (decode tokens, selected outputs) go in chunks of 2..8.
