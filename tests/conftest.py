@@ -1,5 +1,6 @@
 """Shared fixtures: the real models (and stores and servers over them), a store of tiny synthetic
-models (and a server over it), and the llama.cpp / transformers references.
+models (and a server over it), and the llama.cpp / transformers references (llama.cpp's sources, and
+tiny transformers models converted with its converter: reference_models.py).
 
 Every test that needs a real model pulled into the store is marked `real_model`, so
 `pytest -m "not real_model"` is a fast subset that runs offline with an empty store. Tests using
@@ -48,6 +49,21 @@ def llama_cpp_dir() -> pathlib.Path:
     import peers
 
     return peers.llama_cpp_sources()
+
+
+@pytest.fixture(scope="session")
+def converted_references(request, llama_cpp_dir, tmp_path_factory):
+    """The tiny transformers models (reference_models.SPECS) this session's tests use, each built and
+    converted with llama.cpp's converter once, by one driver process, into a temporary folder."""
+    from reference_models import SPECS, ReferenceSpec, convert
+
+    used = {
+        value.name
+        for item in request.session.items
+        for value in getattr(getattr(item, "callspec", None), "params", {}).values()
+        if isinstance(value, ReferenceSpec)
+    }
+    return convert(llama_cpp_dir, tmp_path_factory.mktemp("references"), [s for s in SPECS if s.name in used])
 
 
 @pytest.fixture(autouse=True)

@@ -1,9 +1,13 @@
-"""The conformance suite every architecture plugin passes, on a tiny random model of each architecture.
+"""The conformance suite every architecture plugin passes, on tiny random models of each architecture.
 
 A plugin is loaded through the registry exactly as `load_model` does it, then checked for what the
 runtime relies on: finite logits of the right shape, a KV cache that changes nothing, sequences
-batched together that do not see each other, and causal attention. "fp32" must agree to 1e-4
-relative; "auto" (bf16 activations, int4 kernels) to a few bf16 roundings.
+batched together that do not see each other, causal attention and the context shift. "fp32" must
+agree to 1e-4 relative; "auto" (bf16 activations, int4 kernels) to a few bf16 roundings.
+
+The models come from two sources: hand-written GGUFs (tiny_gguf.py, offline, with quantized
+linears) and transformers models converted by llama.cpp's converter (reference_models.py, marked
+`peers`), whose logits test_reference_logits.py also compares with transformers'.
 """
 
 from __future__ import annotations
@@ -13,17 +17,18 @@ import importlib.util
 import attrs
 import numpy as np
 import pytest
+from reference_models import ReferenceSpec, pytest_params
 from tiny_gguf import VOCAB_SIZE, write_tiny_gemma3, write_tiny_gpt2, write_tiny_llama
 
 import corral
 from corral.gguf import GGUFFile
-from corral.kvcache import CausalCache
+from corral.kvcache import CausalCache, shift_sequence
 from corral.model import Batch
 from corral.registry import Plugins
 
 GPT2_MISSING = importlib.util.find_spec("corral_gpt2") is None
 
-ARCHITECTURES = [
+HAND_WRITTEN = [
     pytest.param(("llama", write_tiny_llama), id="llama"),
     pytest.param(("gemma3", write_tiny_gemma3), id="gemma3"),
     pytest.param(
@@ -35,8 +40,18 @@ ARCHITECTURES = [
 # Tolerance relative to the largest logit of the expected result.
 TOLERANCE = {"fp32": 1e-4, "auto": 3e-2}
 
-# Twelve tokens: longer than gemma3's tiny sliding window of 4, shorter than every context.
+# Twelve tokens: longer than gemma3's tiny sliding window of 4, shorter than every context. Every
+# reference model's vocabulary is at least as large as the hand-written ones'.
 TOKENS = [int(t) for t in np.random.default_rng(7).integers(0, VOCAB_SIZE, 12)]
+# The reference_models check each test belongs to (its specs' known failures are per check).
+LOADS_CHECKS = {"test_architecture_loads_through_the_registry"}
+
+
+def pytest_generate_tests(metafunc):
+    """Every test of a tiny model runs over the hand-written files and over every reference spec."""
+    if "tiny_file" in metafunc.fixturenames:
+        check = "loads" if metafunc.function.__name__ in LOADS_CHECKS else "runs"
+        metafunc.parametrize("tiny_file", HAND_WRITTEN + pytest_params(check), indirect=True, scope="module")
 
 
 @attrs.frozen
@@ -48,6 +63,7 @@ class Tiny:
     path: str
     model: object
     backend: object
+    vocab_size: int
 
     def new_cache(self, cells: int = 32) -> CausalCache:
         return CausalCache(self.backend, self.model.cache_layers(), cells)
@@ -67,12 +83,15 @@ def load_tiny(path: str, architecture: str, precision: str) -> Tiny:
     plugins = Plugins()
     gguf = GGUFFile.open(path)
     backend = plugins.backends()["torch"](precision=precision)
-    model = plugins.architectures()[gguf.architecture].from_gguf(gguf, backend)
-    return Tiny(architecture, precision, path, model, backend)
+    model = plugins.architecture_for(gguf).from_gguf(gguf, backend)
+    return Tiny(architecture, precision, str(path), model, backend, len(gguf.metadata["tokenizer.ggml.tokens"]))
 
 
-@pytest.fixture(scope="module", params=ARCHITECTURES)
+@pytest.fixture(scope="module")
 def tiny_file(request, tmp_path_factory) -> tuple[str, str]:
+    """(architecture, path) of a hand-written file or of a converted reference model (`pytest_generate_tests`)."""
+    if isinstance(request.param, ReferenceSpec):
+        return request.param.architecture, str(request.getfixturevalue("converted_references").gguf(request.param))
     architecture, write = request.param
     return architecture, write(tmp_path_factory.mktemp(architecture) / "tiny.gguf")
 
@@ -105,13 +124,13 @@ def test_load_model_runs_text_end_to_end(tiny):
     ids = loaded.tokenize("in the hat")
     logits = loaded.logits(ids)
     assert loaded.info.architecture == tiny.architecture
-    assert logits.shape == (len(ids), VOCAB_SIZE)
+    assert logits.shape == (len(ids), tiny.vocab_size)
     assert np.isfinite(logits).all()
 
 
 def test_forward_gives_finite_logits_per_token(tiny):
     logits = tiny.run(Batch.single(TOKENS, all_logits=True))
-    assert logits.shape == (len(TOKENS), VOCAB_SIZE)
+    assert logits.shape == (len(TOKENS), tiny.vocab_size)
     assert np.isfinite(logits).all()
     assert np.abs(np.diff(logits, axis=0)).max(axis=-1).min() > 0.01  # every position gives its own row
 
@@ -119,7 +138,7 @@ def test_forward_gives_finite_logits_per_token(tiny):
 def test_forward_returns_only_the_output_rows(tiny):
     every = tiny.run(Batch.single(TOKENS, all_logits=True))
     last = tiny.run(Batch.single(TOKENS))
-    assert last.shape == (1, VOCAB_SIZE)
+    assert last.shape == (1, tiny.vocab_size)
     tiny.assert_close(last[0], every[-1])
 
 
@@ -162,6 +181,48 @@ def test_logits_of_a_prefix_do_not_depend_on_later_tokens(tiny):
     altered = tiny.run(Batch.single(changed, all_logits=True))
     tiny.assert_close(altered[:k], original[:k])
     assert np.abs(altered[k:] - original[k:]).max() > 10 * TOLERANCE[tiny.precision] * np.abs(original).max()
+
+
+def test_context_shift_equals_translating_the_kept_tokens(tiny):
+    """After a shift, the next logits equal those of the unshifted cache with the kept head moved right.
+
+    Attention under RoPE depends only on distances, so dropping [keep, keep + discard) and moving the
+    tail left by `discard` (the shift) must equal keeping the tail's cells as they were and computing
+    the head again `discard` positions later, with the queries at their unshifted positions.
+    (test_runtime.py checks the same on the real models.)
+    """
+    n, keep, discard = 10, 2, 4
+    following = TOKENS[n:]
+
+    def filled() -> CausalCache:
+        cache = tiny.new_cache()
+        tiny.run(Batch.single(TOKENS[:n]), cache)
+        return cache
+
+    shifted = filled()
+    shifted.remove(0, keep, keep + discard)
+    try:
+        shift_sequence(tiny.model, shifted, 0, keep + discard, -discard)
+    except NotImplementedError:
+        pytest.skip(f"{tiny.architecture} cannot shift its cache (no RoPE to re-rotate)")
+    got = tiny.run(Batch.single(following, start=n - discard, all_logits=True), shifted)
+
+    translated = filled()
+    translated.remove(0, 0, keep + discard)
+    tiny.run(Batch.single(TOKENS[:keep], start=discard), translated)
+    expected = tiny.run(Batch.single(following, start=n, all_logits=True), translated)
+
+    unrotated = filled()  # positions moved but keys not re-rotated: what the check must tell apart
+    unrotated.remove(0, keep, keep + discard)
+    unrotated.shift_positions(0, keep + discard, -discard)
+    wrong = tiny.run(Batch.single(following, start=n - discard, all_logits=True), unrotated)
+
+    tiny.assert_close(got, expected)
+    # A tiny model moves little for a 4-position mistake (llama: 5% of the scale), less than "auto"'s
+    # tolerance allows: the shifted keys must be ten times closer than the unrotated ones.
+    missed = np.abs(wrong - expected).max()
+    assert missed > 1e-2 * np.abs(expected).max()
+    assert missed > 10 * np.abs(got - expected).max()
 
 
 @pytest.mark.parametrize("precision", ["auto", "fp32"])

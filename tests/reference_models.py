@@ -1,0 +1,380 @@
+"""Tiny random models built with transformers' own classes: the numeric reference for each architecture.
+
+Every entry of SPECS is one small model: a transformers config class with the settings that make it
+tiny (and that vary what architectures vary: GQA ratio, head_dim, tied output, rope), the
+`general.architecture` llama.cpp's converter must write for it, and the tokenizer it carries.
+`convert_driver.py` builds each one (seeded, float32, eager attention), saves it with
+`save_pretrained`, records transformers' logits on `reference_ids(spec)` and converts it with
+`convert_hf_to_gguf.py --outtype f32`. Adding an architecture is one entry here; its tests are
+test_reference_logits.py (logits against transformers) and test_conformance.py (cache, batching,
+causality and context shift, as every plugin passes them).
+
+A spec that corral cannot pass yet names the reason in `xfail` (strict: the tests fail once it passes,
+so whoever fixes it removes the mark), and `xfail_checks` says which checks fail:
+
+* "loads": the plugin binds the file through the registry;
+* "runs": the conformance checks over corral alone (finite logits, cache, batching, causality, shift);
+* "fp32_logits": precision "fp32" within 1e-4 of transformers' logits;
+* "auto_argmax": precision "auto" keeps transformers' argmax where its margin is clear.
+
+An architecture with no plugin yet is `xfail=NOT_IMPLEMENTED`: every check, and only with corral's
+UnknownArchitectureError.
+
+The driver imports this module next to llama.cpp's own gguf-py: only the functions the tests call
+import corral or pytest.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import random
+import subprocess
+import sys
+from typing import Any
+
+import attrs
+import numpy as np
+
+NOT_IMPLEMENTED = "architecture not implemented yet"
+CHECKS = frozenset({"loads", "runs", "fp32_logits", "auto_argmax"})
+
+VOCAB_SIZE = 384
+IDS_PER_MODEL = 20
+
+# Shared by every spec unless it says otherwise. Weights are drawn with std 0.1 (about 1/sqrt(hidden),
+# five times transformers' default) so every block moves the logits as much as the embedding does
+# and a mistake in any block shows; the driver also moves norms and biases off their 1s and 0s.
+TINY: dict[str, Any] = dict(
+    vocab_size=VOCAB_SIZE,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    initializer_range=0.1,
+)
+
+
+@attrs.frozen
+class ReferenceSpec:
+    """One tiny reference model: the config to build it from and what its GGUF must say."""
+
+    name: str
+    architecture: str  # the `general.architecture` the converter writes
+    model_class: str  # a transformers class, built from `config_class(**TINY, **settings)`
+    config_class: str
+    settings: dict[str, Any] = attrs.field(factory=dict, hash=False)
+    tokenizer: str = "bpe"  # "bpe": a byte-level BPE tokenizer.json; "spm": a sentencepiece tokenizer.model
+    xfail: str | None = None
+    xfail_checks: frozenset[str] = CHECKS
+
+    def __attrs_post_init__(self):
+        assert self.xfail_checks <= CHECKS, f"{self.name}: unknown checks {sorted(self.xfail_checks - CHECKS)}"
+
+    def config_settings(self) -> dict[str, Any]:
+        """The config's keyword arguments: TINY under this spec's settings."""
+        return {**TINY, **self.settings}
+
+    def fails(self, check: str | None) -> str | None:
+        """Why `check` is expected to fail on this model today, or None (always None for no check)."""
+        return self.xfail if check in self.xfail_checks else None
+
+
+def reference_ids(spec: ReferenceSpec) -> list[int]:
+    """The token ids a spec's logits are compared on: random, seeded by the spec's name."""
+    rng = np.random.default_rng(list(spec.name.encode()))
+    return [int(i) for i in rng.integers(0, spec.config_settings()["vocab_size"], IDS_PER_MODEL)]
+
+
+def spec(
+    name: str,
+    architecture: str,
+    family: str,
+    *,
+    config_class: str | None = None,
+    tokenizer: str = "bpe",
+    xfail: str | None = None,
+    xfail_checks: frozenset[str] = CHECKS,
+    **settings: Any,
+) -> ReferenceSpec:
+    """A spec of transformers' `<family>ForCausalLM` built from `<family>Config` (or `config_class`)."""
+    return ReferenceSpec(
+        name,
+        architecture,
+        f"{family}ForCausalLM",
+        config_class or f"{family}Config",
+        settings,
+        tokenizer=tokenizer,
+        xfail=xfail,
+        xfail_checks=xfail_checks,
+    )
+
+
+# LongRoPE factors for a rope of 16 dims (8 frequencies); short ones apply to prompts within the
+# original context, as these are.
+SHORT_FACTORS = [1.0, 1.05, 1.1, 1.2, 1.4, 1.7, 2.0, 2.5]
+LONG_FACTORS = [1.0, 1.2, 1.6, 2.4, 4.0, 6.0, 9.0, 12.0]
+SMALL_MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
+
+SPECS: list[ReferenceSpec] = [
+    # --- llama ------------------------------------------------------------------------------------
+    spec("llama-mha-tied", "llama", "Llama", num_key_value_heads=4, tie_word_embeddings=True),
+    spec("llama-gqa-untied", "llama", "Llama", tie_word_embeddings=False, rope_theta=500000.0),
+    spec("llama-mqa", "llama", "Llama", num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=1),
+    spec(
+        "llama-head-dim",
+        "llama",
+        "Llama",
+        head_dim=32,
+        tie_word_embeddings=True,
+        xfail="the llama plugin takes head_dim as embedding/heads, not attention.key_length (32 here, not 16)",
+        xfail_checks=frozenset({"runs", "fp32_logits", "auto_argmax"}),
+    ),
+    spec(
+        "llama3-rope-scaling",
+        "llama",
+        "Llama",
+        # The converter turns these into a rope_freqs.weight tensor.
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+        # Logits 25% of their scale off from the third position on; where the reference's margin is
+        # clear the argmax still agrees, so only the fp32 check fails.
+        xfail="the llama plugin ignores rope_freqs.weight (Llama 3 rope scaling)",
+        xfail_checks=frozenset({"fp32_logits"}),
+    ),
+    spec(
+        "mixtral",
+        "llama",
+        "Mixtral",
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        xfail="the llama plugin has no experts: blk.0.ffn_gate.weight is missing (the file has ffn_gate_exps)",
+    ),
+    # --- gemma ------------------------------------------------------------------------------------
+    # Six layers: GGUF has no key for gemma3's sliding pattern; llama.cpp fixes it at 5 sliding
+    # layers then 1 global, transformers' default. query_pre_attn_scalar = head_dim, as GGUF assumes.
+    spec("gemma3", "gemma3", "Gemma3", config_class="Gemma3TextConfig", num_hidden_layers=6, head_dim=32,
+         query_pre_attn_scalar=32, sliding_window=4),
+    spec(
+        "gemma3-rope-linear",
+        "gemma3",
+        "Gemma3",
+        config_class="Gemma3TextConfig",
+        num_hidden_layers=6,
+        num_key_value_heads=1,
+        head_dim=16,
+        query_pre_attn_scalar=16,
+        sliding_window=6,
+        tie_word_embeddings=False,
+        rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+    ),
+    # Gemma 2's converter reads only a sentencepiece tokenizer.model.
+    spec("gemma2", "gemma2", "Gemma2", tokenizer="spm", num_hidden_layers=4, head_dim=32, query_pre_attn_scalar=32,
+         sliding_window=4, attn_logit_softcapping=50.0, final_logit_softcapping=30.0, xfail=NOT_IMPLEMENTED),
+    # --- qwen -------------------------------------------------------------------------------------
+    spec("qwen2", "qwen2", "Qwen2", tie_word_embeddings=True, rope_theta=1000000.0, xfail=NOT_IMPLEMENTED),
+    spec("qwen2-untied", "qwen2", "Qwen2", num_attention_heads=8, num_key_value_heads=2, xfail=NOT_IMPLEMENTED),
+    spec("qwen3", "qwen3", "Qwen3", head_dim=32, tie_word_embeddings=True, xfail=NOT_IMPLEMENTED),
+    spec("qwen3moe", "qwen3moe", "Qwen3Moe", head_dim=32, num_experts=8, norm_topk_prob=True, **SMALL_MOE,
+         xfail=NOT_IMPLEMENTED),
+    # --- phi3 -------------------------------------------------------------------------------------
+    spec("phi3", "phi3", "Phi3", tokenizer="spm", num_key_value_heads=4, original_max_position_embeddings=256,
+         xfail=NOT_IMPLEMENTED),
+    spec(
+        "phi3-longrope",
+        "phi3",
+        "Phi3",
+        tokenizer="spm",
+        original_max_position_embeddings=64,
+        rope_parameters={
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "short_factor": SHORT_FACTORS,
+            "long_factor": LONG_FACTORS,
+        },
+        xfail=NOT_IMPLEMENTED,
+    ),
+    # --- deepseek2 (multi-head latent attention) --------------------------------------------------
+    spec(
+        "deepseek2-lite",
+        "deepseek2",
+        "DeepseekV2",
+        num_key_value_heads=4,  # MLA's heads: transformers wants it equal to num_attention_heads
+        q_lora_rank=None,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        head_dim=8,
+        v_head_dim=16,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        **SMALL_MOE,
+        xfail=NOT_IMPLEMENTED,
+    ),
+    spec(
+        "deepseek3-yarn",
+        "deepseek2",
+        "DeepseekV3",
+        num_key_value_heads=4,
+        max_position_embeddings=2560,  # factor x original, as transformers wants it
+        q_lora_rank=24,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        head_dim=8,
+        v_head_dim=16,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        n_group=2,
+        topk_group=1,
+        first_k_dense_replace=1,
+        routed_scaling_factor=2.5,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 40.0,
+            "original_max_position_embeddings": 64,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+        **SMALL_MOE,
+        xfail=NOT_IMPLEMENTED,
+    ),
+    # --- the rest of issue 13's architectures -----------------------------------------------------
+    spec("olmo2", "olmo2", "Olmo2", xfail=NOT_IMPLEMENTED),
+    spec("granite", "granite", "Granite", embedding_multiplier=12.0, residual_multiplier=0.22,
+         attention_multiplier=0.2, logits_scaling=8.0, xfail=NOT_IMPLEMENTED),
+    spec("starcoder2", "starcoder2", "Starcoder2", use_bias=True, norm_epsilon=1e-5, xfail=NOT_IMPLEMENTED),
+    spec("command-r", "command-r", "Cohere", logit_scale=0.25, xfail=NOT_IMPLEMENTED),
+    # Four layers: llama.cpp fixes cohere2's pattern at 3 sliding layers then 1 global.
+    # rotary_pct: the converter reads it, transformers 5 no longer writes it (it stays in config.json).
+    spec("cohere2", "cohere2", "Cohere2", num_hidden_layers=4, head_dim=16, sliding_window=4, logit_scale=0.25,
+         rotary_pct=1.0, xfail=NOT_IMPLEMENTED),
+    # Four layers: every 4th has no RoPE.
+    spec("smollm3", "smollm3", "SmolLM3", num_hidden_layers=4, tie_word_embeddings=True, xfail=NOT_IMPLEMENTED),
+    spec("gpt-oss", "gpt-oss", "GptOss", num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=4,
+         max_position_embeddings=131072, xfail=NOT_IMPLEMENTED),
+]
+
+SPECS_BY_NAME = {spec.name: spec for spec in SPECS}
+assert len(SPECS_BY_NAME) == len(SPECS), "spec names must be unique"
+
+
+def pytest_params(check: str | None) -> list:
+    """One pytest.param per spec for a test of `check`, marked `peers` and, where it fails today, xfail."""
+    import pytest
+
+    from corral.errors import UnknownArchitectureError
+
+    params = []
+    for spec in SPECS:
+        marks = [pytest.mark.peers]
+        if reason := spec.fails(check):
+            raises = UnknownArchitectureError if reason == NOT_IMPLEMENTED else None
+            marks.append(pytest.mark.xfail(strict=True, reason=reason, raises=raises))
+        params.append(pytest.param(spec, id=f"ref-{spec.name}", marks=marks))
+    return params
+
+
+@attrs.frozen
+class ConvertedReferences:
+    """The driver's output folder: each spec's GGUF and transformers' logits."""
+
+    root: pathlib.Path
+
+    def gguf(self, spec: ReferenceSpec) -> pathlib.Path:
+        """The converted file; the driver's traceback as an error where it failed or did not run."""
+        error = self.root / spec.name / "error.txt"
+        if error.is_file():
+            raise RuntimeError(f"building or converting {spec.name} failed:\n{error.read_text()}")
+        path = self.root / spec.name / "model.gguf"
+        if not path.is_file():
+            raise RuntimeError(f"{spec.name} was not converted in this session")
+        return path
+
+    def logits(self, spec: ReferenceSpec) -> tuple[list[int], np.ndarray]:
+        """The ids and transformers' float32 logits [len(ids), vocab] on them."""
+        self.gguf(spec)
+        reference = np.load(self.root / spec.name / "reference.npz")
+        return [int(i) for i in reference["ids"]], reference["logits"]
+
+
+def convert(llama_cpp_dir: pathlib.Path, root: pathlib.Path, specs: list[ReferenceSpec]) -> ConvertedReferences:
+    """Build and convert `specs` into `root` with one driver process (convert_driver.py)."""
+    driver = pathlib.Path(__file__).with_name("convert_driver.py")
+    command = [sys.executable, str(driver), str(llama_cpp_dir), str(root), *(spec.name for spec in specs)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    if done.returncode != 0:
+        raise RuntimeError(f"convert_driver.py exited with {done.returncode}:\n{done.stdout}\n{done.stderr}")
+    return ConvertedReferences(root)
+
+
+# --- tokenizers ------------------------------------------------------------------------------------
+
+SPECIAL = "<|endoftext|>"
+
+
+def write_bpe_tokenizer(folder, vocab_size: int) -> dict[str, int]:
+    """A byte-level BPE tokenizer.json of exactly `vocab_size` tokens (the last one special); its config ids."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {c: i for i, c in enumerate(chars)}
+    merges: list[tuple[str, str]] = []
+    firsts, seconds = "Ġetaoinshrdlucmfwyp", "etaoinshrdlucmfwypvbgk"
+    pairs = ((a, b) for a in firsts for b in seconds)
+    while len(vocab) < vocab_size - 1:
+        a, b = next(pairs)
+        merges.append((a, b))
+        vocab[a + b] = len(vocab)
+    model = Tokenizer(models.BPE(vocab, merges))
+    model.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    model.decoder = decoders.ByteLevel()
+    model.add_special_tokens([SPECIAL])
+    fast = PreTrainedTokenizerFast(tokenizer_object=model, bos_token=SPECIAL, eos_token=SPECIAL)
+    fast.save_pretrained(folder)
+    special = vocab_size - 1
+    assert model.token_to_id(SPECIAL) == special
+    return dict(bos_token_id=special, eos_token_id=special, pad_token_id=special)
+
+
+def write_spm_tokenizer(folder, vocab_size: int) -> dict[str, int]:
+    """A sentencepiece tokenizer.model (BPE with byte fallback) of exactly `vocab_size` pieces; its config ids."""
+    import io
+    import pathlib
+
+    import sentencepiece
+
+    rng = random.Random(0)
+    words = ["".join(rng.choice("etaoinshrdlu") for _ in range(rng.randint(2, 7))) for _ in range(400)]
+    sentences = [" ".join(rng.choice(words) for _ in range(12)) for _ in range(300)]
+    proto = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(sentences),
+        model_writer=proto,
+        vocab_size=vocab_size,
+        model_type="bpe",
+        byte_fallback=True,
+        character_coverage=1.0,
+        num_threads=1,
+        minloglevel=2,
+    )
+    (pathlib.Path(folder) / "tokenizer.model").write_bytes(proto.getvalue())
+    return dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)  # sentencepiece's <s>, </s>, <unk>
+
+
+TOKENIZER_WRITERS = {"bpe": write_bpe_tokenizer, "spm": write_spm_tokenizer}
