@@ -122,15 +122,9 @@ SPECS: list[ReferenceSpec] = [
     spec("llama-mha-tied", "llama", "Llama", num_key_value_heads=4, tie_word_embeddings=True),
     spec("llama-gqa-untied", "llama", "Llama", tie_word_embeddings=False, rope_theta=500000.0),
     spec("llama-mqa", "llama", "Llama", num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=1),
-    spec(
-        "llama-head-dim",
-        "llama",
-        "Llama",
-        head_dim=32,
-        tie_word_embeddings=True,
-        xfail="the llama plugin takes head_dim as embedding/heads, not attention.key_length (32 here, not 16)",
-        xfail_checks=frozenset({"runs", "fp32_logits", "auto_argmax"}),
-    ),
+    # head_dim (attention.key_length) wider and narrower than hidden/heads, GQA 4:1.
+    spec("llama-head-dim-wide", "llama", "Llama", head_dim=32, tie_word_embeddings=True),
+    spec("llama-head-dim-narrow", "llama", "Llama", num_attention_heads=8, num_key_value_heads=2, head_dim=4),
     spec(
         "llama3-rope-scaling",
         "llama",
@@ -144,24 +138,22 @@ SPECS: list[ReferenceSpec] = [
             "high_freq_factor": 4.0,
             "original_max_position_embeddings": 64,
         },
-        # Logits 25% of their scale off from the third position on; where the reference's margin is
-        # clear the argmax still agrees, so only the fp32 check fails.
-        xfail="the llama plugin ignores rope_freqs.weight (Llama 3 rope scaling)",
-        xfail_checks=frozenset({"fp32_logits"}),
     ),
-    spec(
-        "mixtral",
-        "llama",
-        "Mixtral",
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        xfail="the llama plugin has no experts: blk.0.ffn_gate.weight is missing (the file has ffn_gate_exps)",
-    ),
+    # A llama file with experts (ffn_*_exps), as the converter writes Mixtral.
+    spec("mixtral", "llama", "Mixtral", num_local_experts=4, num_experts_per_tok=2),
     # --- gemma ------------------------------------------------------------------------------------
     # Six layers: GGUF has no key for gemma3's sliding pattern; llama.cpp fixes it at 5 sliding
     # layers then 1 global, transformers' default. query_pre_attn_scalar = head_dim, as GGUF assumes.
-    spec("gemma3", "gemma3", "Gemma3", config_class="Gemma3TextConfig", num_hidden_layers=6, head_dim=32,
-         query_pre_attn_scalar=32, sliding_window=4),
+    spec(
+        "gemma3",
+        "gemma3",
+        "Gemma3",
+        config_class="Gemma3TextConfig",
+        num_hidden_layers=6,
+        head_dim=32,
+        query_pre_attn_scalar=32,
+        sliding_window=4,
+    ),
     spec(
         "gemma3-rope-linear",
         "gemma3",
@@ -179,17 +171,26 @@ SPECS: list[ReferenceSpec] = [
         },
     ),
     # Gemma 2's converter reads only a sentencepiece tokenizer.model.
-    spec("gemma2", "gemma2", "Gemma2", tokenizer="spm", num_hidden_layers=4, head_dim=32, query_pre_attn_scalar=32,
-         sliding_window=4, attn_logit_softcapping=50.0, final_logit_softcapping=30.0, xfail=NOT_IMPLEMENTED),
+    spec(
+        "gemma2",
+        "gemma2",
+        "Gemma2",
+        tokenizer="spm",
+        num_hidden_layers=4,
+        head_dim=32,
+        query_pre_attn_scalar=32,
+        sliding_window=4,
+        attn_logit_softcapping=50.0,
+        final_logit_softcapping=30.0,
+        xfail=NOT_IMPLEMENTED,
+    ),
     # --- qwen -------------------------------------------------------------------------------------
     spec("qwen2", "qwen2", "Qwen2", tie_word_embeddings=True, rope_theta=1000000.0, xfail=NOT_IMPLEMENTED),
     spec("qwen2-untied", "qwen2", "Qwen2", num_attention_heads=8, num_key_value_heads=2, xfail=NOT_IMPLEMENTED),
     spec("qwen3", "qwen3", "Qwen3", head_dim=32, tie_word_embeddings=True, xfail=NOT_IMPLEMENTED),
-    spec("qwen3moe", "qwen3moe", "Qwen3Moe", head_dim=32, num_experts=8, norm_topk_prob=True, **SMALL_MOE,
-         xfail=NOT_IMPLEMENTED),
+    spec("qwen3moe", "qwen3moe", "Qwen3Moe", head_dim=32, num_experts=8, norm_topk_prob=True, **SMALL_MOE, xfail=NOT_IMPLEMENTED),
     # --- phi3 -------------------------------------------------------------------------------------
-    spec("phi3", "phi3", "Phi3", tokenizer="spm", num_key_value_heads=4, original_max_position_embeddings=256,
-         xfail=NOT_IMPLEMENTED),
+    spec("phi3", "phi3", "Phi3", tokenizer="spm", num_key_value_heads=4, original_max_position_embeddings=256, xfail=NOT_IMPLEMENTED),
     spec(
         "phi3-longrope",
         "phi3",
@@ -255,18 +256,44 @@ SPECS: list[ReferenceSpec] = [
     ),
     # --- the rest of issue 13's architectures -----------------------------------------------------
     spec("olmo2", "olmo2", "Olmo2", xfail=NOT_IMPLEMENTED),
-    spec("granite", "granite", "Granite", embedding_multiplier=12.0, residual_multiplier=0.22,
-         attention_multiplier=0.2, logits_scaling=8.0, xfail=NOT_IMPLEMENTED),
+    spec(
+        "granite",
+        "granite",
+        "Granite",
+        embedding_multiplier=12.0,
+        residual_multiplier=0.22,
+        attention_multiplier=0.2,
+        logits_scaling=8.0,
+        xfail=NOT_IMPLEMENTED,
+    ),
     spec("starcoder2", "starcoder2", "Starcoder2", use_bias=True, norm_epsilon=1e-5, xfail=NOT_IMPLEMENTED),
     spec("command-r", "command-r", "Cohere", logit_scale=0.25, xfail=NOT_IMPLEMENTED),
     # Four layers: llama.cpp fixes cohere2's pattern at 3 sliding layers then 1 global.
     # rotary_pct: the converter reads it, transformers 5 no longer writes it (it stays in config.json).
-    spec("cohere2", "cohere2", "Cohere2", num_hidden_layers=4, head_dim=16, sliding_window=4, logit_scale=0.25,
-         rotary_pct=1.0, xfail=NOT_IMPLEMENTED),
+    spec(
+        "cohere2",
+        "cohere2",
+        "Cohere2",
+        num_hidden_layers=4,
+        head_dim=16,
+        sliding_window=4,
+        logit_scale=0.25,
+        rotary_pct=1.0,
+        xfail=NOT_IMPLEMENTED,
+    ),
     # Four layers: every 4th has no RoPE.
     spec("smollm3", "smollm3", "SmolLM3", num_hidden_layers=4, tie_word_embeddings=True, xfail=NOT_IMPLEMENTED),
-    spec("gpt-oss", "gpt-oss", "GptOss", num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=4,
-         max_position_embeddings=131072, xfail=NOT_IMPLEMENTED),
+    spec(
+        "gpt-oss",
+        "gpt-oss",
+        "GptOss",
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        head_dim=16,
+        sliding_window=4,
+        max_position_embeddings=131072,
+        xfail=NOT_IMPLEMENTED,
+    ),
 ]
 
 SPECS_BY_NAME = {spec.name: spec for spec in SPECS}

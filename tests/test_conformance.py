@@ -164,9 +164,7 @@ def test_two_sequences_in_one_batch_match_two_single_runs(tiny):
     cache = tiny.new_cache()
     prefill = tiny.run(interleaved_batch((3, a), (8, b)), cache)
     # Decode rows in the other order; each sequence continues at its own position.
-    decode = Batch(
-        np.array([next_b, next_a]), np.array([len(b), len(a)]), np.array([8, 3]), np.array([1, 0])
-    )
+    decode = Batch(np.array([next_b, next_a]), np.array([len(b), len(a)]), np.array([8, 3]), np.array([1, 0]))
     decoded = tiny.run(decode, cache)
     tiny.assert_close(prefill[0], expected[0])
     tiny.assert_close(prefill[1], expected[2])
