@@ -23,7 +23,7 @@ import traceback
 # cannot tell that on its own.
 BPE_PRE_TOKENIZER = "gpt-2"
 SEED = 0
-NOISE_1D = 0.1  # added to every 1-D parameter: norms leave 1 (or 0 where stored as an offset), biases leave 0
+NOISE = 0.1  # std of what `perturb` adds
 
 
 def import_converter(llama_cpp: pathlib.Path):
@@ -39,14 +39,16 @@ def import_converter(llama_cpp: pathlib.Path):
 
 
 def perturb(model) -> None:
-    """Move every 1-D parameter off its initial value (transformers starts norms at 1 and biases at 0)."""
+    """Add noise to every saved tensor that transformers starts at one constant: norms at 1 (or 0 where
+    stored as an offset), biases at 0, DeepSeek's routing correction bias at 0; a mistake in how
+    corral reads one would not show otherwise."""
     import torch
 
     generator = torch.Generator().manual_seed(SEED)
     with torch.no_grad():
-        for parameter in model.parameters():
-            if parameter.dim() == 1:
-                parameter.add_(torch.randn(parameter.shape, generator=generator) * NOISE_1D)
+        for tensor in model.state_dict().values():
+            if tensor.is_floating_point() and tensor.numel() > 1 and bool((tensor == tensor.flatten()[0]).all()):
+                tensor.add_(torch.randn(tensor.shape, generator=generator) * NOISE)
 
 
 def build(spec, folder: pathlib.Path):

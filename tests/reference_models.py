@@ -26,6 +26,7 @@ import corral or pytest.
 
 from __future__ import annotations
 
+import os
 import pathlib
 import random
 import subprocess
@@ -43,7 +44,8 @@ IDS_PER_MODEL = 20
 
 # Shared by every spec unless it says otherwise. Weights are drawn with std 0.1 (about 1/sqrt(hidden),
 # five times transformers' default) so every block moves the logits as much as the embedding does
-# and a mistake in any block shows; the driver also moves norms and biases off their 1s and 0s.
+# and a mistake in any block shows; the driver also moves norms and biases off their 1s and 0s
+# (`convert_driver.perturb`).
 TINY: dict[str, Any] = dict(
     vocab_size=VOCAB_SIZE,
     hidden_size=64,
@@ -139,6 +141,8 @@ SPECS: list[ReferenceSpec] = [
             "original_max_position_embeddings": 64,
         },
     ),
+    # Llama 2's sentencepiece vocabulary (the converter's other llama vocab path).
+    spec("llama2-spm", "llama", "Llama", tokenizer="spm", num_key_value_heads=4, rms_norm_eps=1e-5),
     # A llama file with experts (ffn_*_exps), as the converter writes Mixtral.
     spec("mixtral", "llama", "Mixtral", num_local_experts=4, num_experts_per_tok=2),
     # --- gemma ------------------------------------------------------------------------------------
@@ -343,7 +347,9 @@ def convert(llama_cpp_dir: pathlib.Path, root: pathlib.Path, specs: list[Referen
     """Build and convert `specs` into `root` with one driver process (convert_driver.py)."""
     driver = pathlib.Path(__file__).with_name("convert_driver.py")
     command = [sys.executable, str(driver), str(llama_cpp_dir), str(root), *(spec.name for spec in specs)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    # Everything is local: no hub look-ups (CI has no network), no progress bars in the captured output.
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1"}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env)
     if done.returncode != 0:
         raise RuntimeError(f"convert_driver.py exited with {done.returncode}:\n{done.stdout}\n{done.stderr}")
     return ConvertedReferences(root)

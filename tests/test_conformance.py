@@ -43,14 +43,13 @@ TOLERANCE = {"fp32": 1e-4, "auto": 3e-2}
 # Twelve tokens: longer than gemma3's tiny sliding window of 4, shorter than every context. Every
 # reference model's vocabulary is at least as large as the hand-written ones'.
 TOKENS = [int(t) for t in np.random.default_rng(7).integers(0, VOCAB_SIZE, 12)]
-# The reference_models check each test belongs to (its specs' known failures are per check).
-LOADS_CHECKS = {"test_architecture_loads_through_the_registry"}
 
 
 def pytest_generate_tests(metafunc):
-    """Every test of a tiny model runs over the hand-written files and over every reference spec."""
+    """Every test of a tiny model runs over the hand-written files and over every reference spec (whose
+    known failures are per reference_models check: "loads" for the first test, "runs" for the rest)."""
     if "tiny_file" in metafunc.fixturenames:
-        check = "loads" if metafunc.function.__name__ in LOADS_CHECKS else "runs"
+        check = "loads" if metafunc.function is test_architecture_loads_through_the_registry else "runs"
         metafunc.parametrize("tiny_file", HAND_WRITTEN + pytest_params(check), indirect=True, scope="module")
 
 
