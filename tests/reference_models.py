@@ -40,6 +40,7 @@ NOT_IMPLEMENTED = "architecture not implemented yet"
 CHECKS = frozenset({"loads", "runs", "fp32_logits", "auto_argmax"})
 
 VOCAB_SIZE = 384
+MIN_VOCAB_SIZE = 300
 IDS_PER_MODEL = 20
 
 # Shared by every spec unless it says otherwise. Weights are drawn with std 0.1 (about 1/sqrt(hidden),
@@ -73,6 +74,8 @@ class ReferenceSpec:
 
     def __attrs_post_init__(self):
         assert self.xfail_checks <= CHECKS, f"{self.name}: unknown checks {sorted(self.xfail_checks - CHECKS)}"
+        # Byte-level tokenizers need 256 tokens and more; test_conformance's ids go up to tiny_gguf's 262.
+        assert self.config_settings()["vocab_size"] >= MIN_VOCAB_SIZE, f"{self.name}: vocab_size under {MIN_VOCAB_SIZE}"
 
     def config_settings(self) -> dict[str, Any]:
         """The config's keyword arguments: TINY under this spec's settings."""
@@ -360,29 +363,38 @@ def convert(llama_cpp_dir: pathlib.Path, root: pathlib.Path, specs: list[Referen
 SPECIAL = "<|endoftext|>"
 
 
+def byte_level_merges(count: int) -> list[tuple[str, str]]:
+    """`count` valid merges over GPT-2's byte-level alphabet: "Ġ" and common letters, then each merged
+    token extended by each letter in turn (every new token is distinct, so any count works)."""
+    letters = "etaoinshrdlucmfwypvbgk"
+    merges: list[tuple[str, str]] = []
+    prefixes = ["Ġ", *letters]
+    for prefix in prefixes:
+        for letter in letters:
+            if len(merges) == count:
+                return merges
+            merges.append((prefix, letter))
+            prefixes.append(prefix + letter)
+    return merges
+
+
 def write_bpe_tokenizer(folder, vocab_size: int) -> dict[str, int]:
     """A byte-level BPE tokenizer.json of exactly `vocab_size` tokens (the last one special); its config ids."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    chars = sorted(pre_tokenizers.ByteLevel.alphabet())
-    vocab = {c: i for i, c in enumerate(chars)}
-    merges: list[tuple[str, str]] = []
-    firsts, seconds = "Ġetaoinshrdlucmfwyp", "etaoinshrdlucmfwypvbgk"
-    pairs = ((a, b) for a in firsts for b in seconds)
-    while len(vocab) < vocab_size - 1:
-        a, b = next(pairs)
-        merges.append((a, b))
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    merges = byte_level_merges(vocab_size - 1 - len(vocab))
+    for a, b in merges:
         vocab[a + b] = len(vocab)
     model = Tokenizer(models.BPE(vocab, merges))
     model.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     model.decoder = decoders.ByteLevel()
     model.add_special_tokens([SPECIAL])
-    fast = PreTrainedTokenizerFast(tokenizer_object=model, bos_token=SPECIAL, eos_token=SPECIAL)
-    fast.save_pretrained(folder)
+    PreTrainedTokenizerFast(tokenizer_object=model, bos_token=SPECIAL, eos_token=SPECIAL).save_pretrained(folder)
     special = vocab_size - 1
-    assert model.token_to_id(SPECIAL) == special
-    return dict(bos_token_id=special, eos_token_id=special, pad_token_id=special)
+    assert sorted(model.get_vocab().values()) == list(range(vocab_size)) and model.token_to_id(SPECIAL) == special
+    return {"bos_token_id": special, "eos_token_id": special, "pad_token_id": special}
 
 
 def write_spm_tokenizer(folder, vocab_size: int) -> dict[str, int]:
@@ -392,9 +404,9 @@ def write_spm_tokenizer(folder, vocab_size: int) -> dict[str, int]:
 
     import sentencepiece
 
-    rng = random.Random(0)
-    words = ["".join(rng.choice("etaoinshrdlu") for _ in range(rng.randint(2, 7))) for _ in range(400)]
-    sentences = [" ".join(rng.choice(words) for _ in range(12)) for _ in range(300)]
+    rng = random.Random(0)  # a corpus with pieces enough for a few thousand merges; trained in ~0.1 s
+    words = ["".join(rng.choice("etaoinshrdlucmfwypvbgkjqxz") for _ in range(rng.randint(2, 8))) for _ in range(2000)]
+    sentences = [" ".join(rng.choice(words) for _ in range(12)) for _ in range(1000)]
     proto = io.BytesIO()
     sentencepiece.SentencePieceTrainer.train(
         sentence_iterator=iter(sentences),
@@ -407,7 +419,7 @@ def write_spm_tokenizer(folder, vocab_size: int) -> dict[str, int]:
         minloglevel=2,
     )
     (pathlib.Path(folder) / "tokenizer.model").write_bytes(proto.getvalue())
-    return dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)  # sentencepiece's <s>, </s>, <unk>
+    return {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}  # sentencepiece's <s>, </s>, <unk>
 
 
 TOKENIZER_WRITERS = {"bpe": write_bpe_tokenizer, "spm": write_spm_tokenizer}
