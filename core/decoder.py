@@ -122,7 +122,7 @@ class DecoderModel(Model):
 
     def shift_keys(self, ctx: Any, layer: int, keys: Any, delta: Any) -> Any:
         rope = self.rope(layer)
-        return keys if rope is None else ctx.rope(keys, delta, rope)
+        return keys if rope is None else ctx.rope(keys, delta, attrs.evolve(rope, rotation_only=True))
 
     def forward(self, ctx: Any, batch: Batch, cache: Any) -> Any:
         positions = ctx.input(batch.positions)

@@ -52,6 +52,9 @@ class Rope:
     freq_factors: Any = attrs.field(default=None, eq=False)  # a loaded vector [dims/2] (Llama 3's rope_freqs, LongRoPE's factors)
     attn_factor: float = 1.0
     yarn: Yarn | None = None
+    # Turn only, at magnitude 1 whatever attn_factor and YaRN say: re-rotating cached keys (a
+    # context shift), which kept the magnitude from when they were first rotated.
+    rotation_only: bool = False
 
 
 class Tensor(Protocol):

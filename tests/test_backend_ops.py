@@ -181,6 +181,14 @@ def test_yarn_keeps_fast_pairs_interpolates_slow_ones_and_scales_magnitude():
     assert 0 < low < high < dims // 2 - 1  # the check covers all three regimes
 
 
+def test_a_rotation_only_rope_turns_yarn_keys_further_without_scaling_them_again():
+    x = torch.randn(4, 2, 32, generator=torch.Generator().manual_seed(8))
+    positions, delta = np.array([3, 9, 40, 100]), 7
+    rope = Rope(dims=32, base=10000.0, scale=1 / 4.0, neox=True, yarn=Yarn(original_context=256))
+    shifted = rotate(rotate(x, positions, rope), np.full(4, delta), attrs.evolve(rope, rotation_only=True))
+    torch.testing.assert_close(shifted, rotate(x, positions + delta, rope), rtol=0, atol=1e-5)
+
+
 # --- nested binding -------------------------------------------------------------------------
 
 

@@ -188,6 +188,8 @@ def _rope_table(positions: torch.Tensor, rope: Rope) -> Any:
         angles = (positions.float() * rope.scale)[:, None] * inv_freq[None, :]  # [n, dims/2]
     else:
         angles, magnitude = _yarn_angles(positions.float()[:, None] * inv_freq[None, :], rope, rope.yarn)
+    if rope.rotation_only:
+        magnitude = 1.0
     if not rope.neox:
         return torch.polar(torch.full_like(angles, magnitude), angles)[:, None, :]
     cos, sin = angles.cos(), angles.sin()
