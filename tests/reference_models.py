@@ -120,6 +120,8 @@ def spec(
 # original context, as these are.
 SHORT_FACTORS = [1.0, 1.05, 1.1, 1.2, 1.4, 1.7, 2.0, 2.5]
 LONG_FACTORS = [1.0, 1.2, 1.6, 2.4, 4.0, 6.0, 9.0, 12.0]
+# YaRN over 4x an original context of 256 (transformers wants max_position_embeddings = 1024 with it).
+YARN_4X = {"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0, "original_max_position_embeddings": 256}
 SMALL_MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
 
 SPECS: list[ReferenceSpec] = [
@@ -192,8 +194,11 @@ SPECS: list[ReferenceSpec] = [
         xfail=NOT_IMPLEMENTED,
     ),
     # --- qwen -------------------------------------------------------------------------------------
-    spec("qwen2", "qwen2", "Qwen2", tie_word_embeddings=True, rope_theta=1000000.0, xfail=NOT_IMPLEMENTED),
-    spec("qwen2-untied", "qwen2", "Qwen2", num_attention_heads=8, num_key_value_heads=2, xfail=NOT_IMPLEMENTED),
+    spec("qwen2", "qwen2", "Qwen2", tie_word_embeddings=True, rope_theta=1000000.0),
+    spec("qwen2-untied", "qwen2", "Qwen2", num_attention_heads=8, num_key_value_heads=2),
+    spec("qwen2-mha", "qwen2", "Qwen2", num_hidden_layers=3, num_key_value_heads=4, rope_theta=50000.0),
+    # Qwen 2.5's long-context files: YaRN with llama.cpp's magnitude (transformers' default attention_factor).
+    spec("qwen2-yarn", "qwen2", "Qwen2", max_position_embeddings=1024, rope_parameters=YARN_4X),
     spec("qwen3", "qwen3", "Qwen3", head_dim=32, tie_word_embeddings=True, xfail=NOT_IMPLEMENTED),
     spec("qwen3moe", "qwen3moe", "Qwen3Moe", head_dim=32, num_experts=8, norm_topk_prob=True, **SMALL_MOE, xfail=NOT_IMPLEMENTED),
     # --- phi3 -------------------------------------------------------------------------------------
