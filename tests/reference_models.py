@@ -199,7 +199,9 @@ SPECS: list[ReferenceSpec] = [
     spec("qwen2-mha", "qwen2", "Qwen2", num_hidden_layers=3, num_key_value_heads=4, rope_theta=50000.0),
     # Qwen 2.5's long-context files: YaRN with llama.cpp's magnitude (transformers' default attention_factor).
     spec("qwen2-yarn", "qwen2", "Qwen2", max_position_embeddings=1024, rope_parameters=YARN_4X),
-    spec("qwen3", "qwen3", "Qwen3", head_dim=32, tie_word_embeddings=True, xfail=NOT_IMPLEMENTED),
+    spec("qwen3", "qwen3", "Qwen3", head_dim=32, tie_word_embeddings=True),
+    spec("qwen3-mqa-narrow-head", "qwen3", "Qwen3", head_dim=8, num_attention_heads=8, num_key_value_heads=1, rope_theta=1000000.0),
+    spec("qwen3-yarn", "qwen3", "Qwen3", head_dim=32, max_position_embeddings=1024, rope_parameters=YARN_4X),
     spec("qwen3moe", "qwen3moe", "Qwen3Moe", head_dim=32, num_experts=8, norm_topk_prob=True, **SMALL_MOE, xfail=NOT_IMPLEMENTED),
     # --- phi3 -------------------------------------------------------------------------------------
     spec("phi3", "phi3", "Phi3", tokenizer="spm", num_key_value_heads=4, original_max_position_embeddings=256, xfail=NOT_IMPLEMENTED),
