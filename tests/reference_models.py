@@ -269,7 +269,21 @@ SPECS: list[ReferenceSpec] = [
         xfail=NOT_IMPLEMENTED,
     ),
     # --- the rest of issue 13's architectures -----------------------------------------------------
-    spec("olmo2", "olmo2", "Olmo2", xfail=NOT_IMPLEMENTED),
+    spec("olmo2", "olmo2", "Olmo2"),
+    spec("olmo2-gqa-tied", "olmo2", "Olmo2", num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=True, rope_theta=500000.0),
+    # OLMo 3 converts to olmo2 with a window and a per-layer pattern (here the default: every 4th global).
+    spec("olmo3", "olmo2", "Olmo3", num_hidden_layers=4, sliding_window=4),
+    spec(
+        "olmo3-yarn-local-base",
+        "olmo2",
+        "Olmo3",
+        num_hidden_layers=4,
+        sliding_window=5,
+        max_position_embeddings=1024,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        # Global layers scale by YaRN, sliding ones rotate unscaled at their own base (rope.freq_base_swa).
+        rope_parameters={"full_attention": YARN_4X, "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}},
+    ),
     spec(
         "granite",
         "granite",
