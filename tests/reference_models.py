@@ -304,7 +304,10 @@ SPECS: list[ReferenceSpec] = [
         attention_multiplier=0.05,
         logits_scaling=2.0,
     ),
-    spec("starcoder2", "starcoder2", "Starcoder2", use_bias=True, norm_epsilon=1e-5, xfail=NOT_IMPLEMENTED),
+    spec("starcoder2", "starcoder2", "Starcoder2", use_bias=True, norm_epsilon=1e-5),
+    spec("starcoder2-mqa-untied", "starcoder2", "Starcoder2", num_key_value_heads=1, tie_word_embeddings=False, rope_theta=100000.0),
+    # Without biases on the projections and MLP (the LayerNorms keep theirs), heads wider than hidden / heads.
+    spec("starcoder2-no-bias", "starcoder2", "Starcoder2", use_bias=False, head_dim=16, num_attention_heads=8, num_key_value_heads=4),
     spec("command-r", "command-r", "Cohere", logit_scale=0.25, xfail=NOT_IMPLEMENTED),
     # Four layers: llama.cpp fixes cohere2's pattern at 3 sliding layers then 1 global.
     # rotary_pct: the converter reads it, transformers 5 no longer writes it (it stays in config.json).
