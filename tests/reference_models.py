@@ -323,7 +323,18 @@ SPECS: list[ReferenceSpec] = [
         xfail=NOT_IMPLEMENTED,
     ),
     # Four layers: every 4th has no RoPE.
-    spec("smollm3", "smollm3", "SmolLM3", num_hidden_layers=4, tie_word_embeddings=True, xfail=NOT_IMPLEMENTED),
+    spec("smollm3", "smollm3", "SmolLM3", num_hidden_layers=4, tie_word_embeddings=True),
+    # Five layers (only layer 3 without RoPE), heads wider than hidden / heads.
+    spec(
+        "smollm3-untied",
+        "smollm3",
+        "SmolLM3",
+        num_hidden_layers=5,
+        num_attention_heads=8,
+        head_dim=16,
+        tie_word_embeddings=False,
+        rope_theta=2000000.0,
+    ),
     spec(
         "gpt-oss",
         "gpt-oss",
