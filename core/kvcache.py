@@ -159,6 +159,11 @@ class CacheView:
     def layer_groups(self, layer: int) -> list[SeqGroup]:
         return self.groups[self.cache.layer_pool[layer]]
 
+    @property
+    def context_length(self) -> int:
+        """The most positions one sequence can hold: num_ctx in a runtime's cache, the tokens of a one-off forward."""
+        return max(pool.region_size for pool in self.cache.pools)
+
 
 def runtime_cells(layers: list[CacheLayer], num_ctx: int, num_parallel: int, num_batch: int) -> tuple[int, int | None]:
     """A runtime's (global, sliding-window) pool sizes: num_ctx cells per sequence; a window and a batch."""

@@ -55,6 +55,10 @@ class Rope:
     # Turn only, at magnitude 1 whatever attn_factor and YaRN say: re-rotating cached keys (a
     # context shift), which kept the magnitude from when they were first rotated.
     rotation_only: bool = False
+    # LongRoPE (Phi-3): these factors replace `freq_factors` when the cache the graph runs over holds
+    # more than `original_context` positions per sequence (llama.cpp's choice, by context length).
+    long_factors: Any = attrs.field(default=None, eq=False)
+    original_context: int = 0
 
 
 class Tensor(Protocol):
@@ -88,7 +92,12 @@ class Context(Protocol):
         """Layer normalisation over the last dim."""
 
     def rope(self, x: Tensor, positions: Tensor, rope: Rope) -> Tensor:
-        """Rotary embedding of x [n, heads, head_dim] as `rope` says."""
+        """Rotary embedding of x [n, heads, head_dim] as `rope` says.
+
+        With `rope.long_factors`, the factors follow the context of the cache view the graph runs
+        over in `Backend.run`, looked up each time it runs; a graph built outside it (a context
+        shift's) rotates with `freq_factors`.
+        """
 
     def attention(
         self, q: Tensor, k: Tensor, v: Tensor, cache: Any, layer: int, scale: float, *, softcap: float | None = None, sinks: Any = None

@@ -64,9 +64,13 @@ class TorchContext(Graph):
 
     def rope(self, x: Node, positions: Node, rope: Rope) -> Node:
         # Every layer rotates by the same positions: build each cos/sin table once per graph.
-        key = (positions.index, rope, id(rope.freq_factors))
+        key = (positions.index, rope, id(rope.freq_factors), id(rope.long_factors))
         if key not in self._rope_tables:
-            self._rope_tables[key] = self.record(_rope_table, positions, rope)
+            if rope.long_factors is None:
+                self._rope_tables[key] = self.record(_rope_table, positions, rope)
+            else:  # LongRoPE: the factors follow the context of the cache view, bound anew when the graph is reused
+                view = Slot("view") if self.batch is not None else self.view
+                self._rope_tables[key] = self.record(_rope_table, positions, rope, view)
         return self.record(_rope, x, self._rope_tables[key], rope.dims, rope.neox)
 
     def attention(
@@ -176,13 +180,17 @@ def _top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.topk(x, k, dim=-1, sorted=True)
 
 
-def _rope_table(positions: torch.Tensor, rope: Rope) -> Any:
+def _rope_table(positions: torch.Tensor, rope: Rope, view: Any = None) -> Any:
     """The rotation of each position, laid out like the features it turns: for adjacent pairs, the
-    complex number attn_factor * e^(i angle) [n, 1, dims/2]; for halves, cos and signed sin [n, 1, dims]."""
+    complex number attn_factor * e^(i angle) [n, 1, dims/2]; for halves, cos and signed sin [n, 1, dims].
+    `view`: the cache view whose context picks LongRoPE's factors (none: the short ones)."""
     dims = rope.dims
     inv_freq = 1.0 / (rope.base ** (torch.arange(0, dims, 2, device=positions.device, dtype=torch.float32) / dims))
-    if rope.freq_factors is not None:
-        inv_freq = inv_freq / rope.freq_factors.to(positions.device, torch.float32)
+    factors = rope.freq_factors
+    if rope.long_factors is not None and view is not None and view.context_length > rope.original_context:
+        factors = rope.long_factors
+    if factors is not None:
+        inv_freq = inv_freq / factors.to(positions.device, torch.float32)
     magnitude = rope.attn_factor
     if rope.yarn is None:
         angles = (positions.float() * rope.scale)[:, None] * inv_freq[None, :]  # [n, dims/2]
