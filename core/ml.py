@@ -89,7 +89,10 @@ class Context(Protocol):
         """RMS normalisation over the last dim, times weight (the file's weight, used as is)."""
 
     def layer_norm(self, x: Tensor, weight: Any, bias: Any, eps: float) -> Tensor:
-        """Layer normalisation over the last dim."""
+        """Layer normalisation over the last dim, times weight, plus bias (None: no bias).
+
+        A weight (and bias) of [heads, dim] for x [n, heads, dim] gives each head its own (Command R+'s q/k norms).
+        """
 
     def rope(self, x: Tensor, positions: Tensor, rope: Rope) -> Tensor:
         """Rotary embedding of x [n, heads, head_dim] as `rope` says.

@@ -60,6 +60,8 @@ class TorchContext(Graph):
         return self.record(lambda t, w: F.rms_norm(t.float(), (t.shape[-1],), w, eps), x, weight)
 
     def layer_norm(self, x: Node, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> Node:
+        if weight is not None and weight.dim() > 1:  # one weight row per head: normalise, then scale each head by its own
+            return self.record(_layer_norm_per_head, x, weight, bias, eps)
         return self.record(lambda t, w, b: F.layer_norm(t.float(), (t.shape[-1],), w, b, eps), x, weight, bias)
 
     def rope(self, x: Node, positions: Node, rope: Rope) -> Node:
@@ -156,6 +158,11 @@ def _gated(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tenso
     if gate.dtype == up.dtype == torch.float32 and gate.device.type == "cpu" and gate.dim() == 2 and gate.stride(1) == up.stride(1) == 1:
         return native.gated(gate, up, activation)
     return GATED[activation](gate) * up
+
+
+def _layer_norm_per_head(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+    y = F.layer_norm(x.float(), (x.shape[-1],), None, None, eps) * weight
+    return y if bias is None else y + bias
 
 
 def _linear(x: torch.Tensor, weight: Any, bias: torch.Tensor | None, runs: list[tuple[int, int]] | None) -> torch.Tensor:
