@@ -68,7 +68,8 @@ class ReferenceSpec:
     model_class: str  # a transformers class, built from `config_class(**TINY, **settings)`
     config_class: str
     settings: dict[str, Any] = attrs.field(factory=dict, hash=False)
-    tokenizer: str = "bpe"  # "bpe": a byte-level BPE tokenizer.json; "spm": a sentencepiece tokenizer.model
+    # "bpe": a byte-level BPE tokenizer.json; "gpt2": the same as a GPT2Tokenizer; "spm": a sentencepiece tokenizer.model
+    tokenizer: str = "bpe"
     xfail: str | None = None
     xfail_checks: frozenset[str] = CHECKS
 
@@ -191,7 +192,34 @@ SPECS: list[ReferenceSpec] = [
         sliding_window=4,
         attn_logit_softcapping=50.0,
         final_logit_softcapping=30.0,
-        xfail=NOT_IMPLEMENTED,
+    ),
+    # Caps small enough to bite, MQA, an odd layer count (the last one slides). The converter writes no
+    # rope_theta for gemma2: every Gemma 2 uses 10000.
+    spec(
+        "gemma2-tight-caps-mqa",
+        "gemma2",
+        "Gemma2",
+        tokenizer="spm",
+        num_hidden_layers=3,
+        num_key_value_heads=1,
+        head_dim=16,
+        query_pre_attn_scalar=16,
+        sliding_window=6,
+        attn_logit_softcapping=1.0,
+        final_logit_softcapping=2.0,
+    ),
+    # 46 layers is the 27B, which llama.cpp scales by 1/sqrt(hidden / heads), GGUF having no key for
+    # query_pre_attn_scalar (here 16, where head_dim is 32).
+    spec(
+        "gemma2-27b-scale",
+        "gemma2",
+        "Gemma2",
+        tokenizer="spm",
+        num_hidden_layers=46,
+        head_dim=32,
+        query_pre_attn_scalar=16,
+        sliding_window=5,
+        initializer_range=0.05,
     ),
     # --- qwen -------------------------------------------------------------------------------------
     spec("qwen2", "qwen2", "Qwen2", tie_word_embeddings=True, rope_theta=1000000.0),
@@ -204,7 +232,7 @@ SPECS: list[ReferenceSpec] = [
     spec("qwen3-yarn", "qwen3", "Qwen3", head_dim=32, max_position_embeddings=1024, rope_parameters=YARN_4X),
     spec("qwen3moe", "qwen3moe", "Qwen3Moe", head_dim=32, num_experts=8, norm_topk_prob=True, **SMALL_MOE, xfail=NOT_IMPLEMENTED),
     # --- phi3 -------------------------------------------------------------------------------------
-    spec("phi3", "phi3", "Phi3", tokenizer="spm", num_key_value_heads=4, original_max_position_embeddings=256, xfail=NOT_IMPLEMENTED),
+    spec("phi3", "phi3", "Phi3", tokenizer="spm", num_key_value_heads=4, original_max_position_embeddings=256),
     spec(
         "phi3-longrope",
         "phi3",
@@ -217,7 +245,61 @@ SPECS: list[ReferenceSpec] = [
             "short_factor": SHORT_FACTORS,
             "long_factor": LONG_FACTORS,
         },
-        xfail=NOT_IMPLEMENTED,
+    ),
+    # 20 ids past an original context of 16: the long factors (transformers by sequence length, corral
+    # by the cache's context, which logits() sizes to the ids).
+    spec(
+        "phi3-longrope-long",
+        "phi3",
+        "Phi3",
+        tokenizer="spm",
+        num_key_value_heads=1,
+        original_max_position_embeddings=16,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": SHORT_FACTORS, "long_factor": LONG_FACTORS},
+    ),
+    # Phi-4: a GPT-2 style tokenizer, GQA, a larger rope_theta, no LongRoPE, untied output.
+    spec(
+        "phi4",
+        "phi3",
+        "Phi3",
+        tokenizer="gpt2",
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        rope_theta=250000.0,
+        original_max_position_embeddings=256,
+        tie_word_embeddings=False,
+    ),
+    # Phi-4-mini: LongRoPE over 3/4 of each head (12 of 16 features, 6 factors), tied output.
+    spec(
+        "phi4-mini-partial-rope",
+        "phi3",
+        "Phi3",
+        tokenizer="gpt2",
+        num_key_value_heads=1,
+        tie_word_embeddings=True,
+        original_max_position_embeddings=64,
+        rope_parameters={
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.75,
+            "short_factor": SHORT_FACTORS[:6],
+            "long_factor": LONG_FACTORS[:6],
+        },
+    ),
+    spec(
+        "phi4-mini-partial-rope-long",
+        "phi3",
+        "Phi3",
+        tokenizer="gpt2",
+        tie_word_embeddings=True,
+        original_max_position_embeddings=12,
+        rope_parameters={
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.75,
+            "short_factor": SHORT_FACTORS[:6],
+            "long_factor": LONG_FACTORS[:6],
+        },
     ),
     # --- deepseek2 (multi-head latent attention) --------------------------------------------------
     spec(
@@ -308,7 +390,11 @@ SPECS: list[ReferenceSpec] = [
     spec("starcoder2-mqa-untied", "starcoder2", "Starcoder2", num_key_value_heads=1, tie_word_embeddings=False, rope_theta=100000.0),
     # Without biases on the projections and MLP (the LayerNorms keep theirs), heads wider than hidden / heads.
     spec("starcoder2-no-bias", "starcoder2", "Starcoder2", use_bias=False, head_dim=16, num_attention_heads=8, num_key_value_heads=4),
-    spec("command-r", "command-r", "Cohere", logit_scale=0.25, xfail=NOT_IMPLEMENTED),
+    spec("command-r", "command-r", "Cohere", logit_scale=0.25),
+    # Command R+'s per-head q/k LayerNorms (llama.cpp loads them from 64 layers on; corral wherever they are).
+    spec("command-r-qk-norm", "command-r", "Cohere", num_hidden_layers=3, use_qk_norm=True, logit_scale=0.5),
+    # The command-r GGUF has no output tensor: Cohere's output is always tied.
+    spec("command-r-mha-bias", "command-r", "Cohere", num_key_value_heads=4, attention_bias=True, rope_theta=10000.0, logit_scale=2.0),
     # Four layers: llama.cpp fixes cohere2's pattern at 3 sliding layers then 1 global.
     # rotary_pct: the converter reads it, transformers 5 no longer writes it (it stays in config.json).
     spec(
@@ -320,7 +406,18 @@ SPECS: list[ReferenceSpec] = [
         sliding_window=4,
         logit_scale=0.25,
         rotary_pct=1.0,
-        xfail=NOT_IMPLEMENTED,
+    ),
+    # Two global layers, MQA, another window and rope_theta.
+    spec(
+        "cohere2-mqa-8-layers",
+        "cohere2",
+        "Cohere2",
+        num_hidden_layers=8,
+        num_key_value_heads=1,
+        sliding_window=6,
+        rope_theta=50000.0,
+        rotary_pct=1.0,
+        logit_scale=1.5,
     ),
     # Four layers: every 4th has no RoPE.
     spec("smollm3", "smollm3", "SmolLM3", num_hidden_layers=4, tie_word_embeddings=True),
@@ -467,4 +564,16 @@ def write_spm_tokenizer(folder, vocab_size: int) -> dict[str, int]:
     return {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}  # sentencepiece's <s>, </s>, <unk>
 
 
-TOKENIZER_WRITERS = {"bpe": write_bpe_tokenizer, "spm": write_spm_tokenizer}
+def write_gpt2_tokenizer(folder, vocab_size: int) -> dict[str, int]:
+    """The byte-level BPE tokenizer saved as a GPT2Tokenizer, the class Phi-4's converter reads a tokenizer.json for."""
+    import json
+    import pathlib
+
+    ids = write_bpe_tokenizer(folder, vocab_size)
+    config_path = pathlib.Path(folder) / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps({**config, "tokenizer_class": "GPT2Tokenizer"}, indent=2))
+    return ids
+
+
+TOKENIZER_WRITERS = {"bpe": write_bpe_tokenizer, "spm": write_spm_tokenizer, "gpt2": write_gpt2_tokenizer}
