@@ -5,40 +5,30 @@ import numpy as np
 import pytest
 import torch
 
+from tiny_gguf import random_blocks
+
 from corral.errors import UnsupportedTensorTypeError
-from corral.plugins.backends.torch import dequantize as torch_quant, int4_packing
+from corral.plugins.backends.torch import codebooks, int4_packing
+from corral.plugins.backends.torch import dequantize as torch_quant
 
 Q = gguf.GGMLQuantizationType
 
-# Byte offsets of each block's fp16 scales (d, and dmin or m where the format has one).
-FP16_FIELDS = {
-    Q.Q4_0: [0],
-    Q.Q4_1: [0, 2],
-    Q.Q5_0: [0],
-    Q.Q5_1: [0, 2],
-    Q.Q8_0: [0],
-    Q.Q2_K: [80, 82],
-    Q.Q3_K: [108],
-    Q.Q4_K: [0, 2],
-    Q.Q5_K: [0, 2],
-    Q.Q6_K: [208],
-}
 FLOATS = [Q.F32, Q.F16, Q.BF16]
 INT4 = [Q.Q4_0, Q.Q4_1, Q.Q4_K]
+QUANTIZED = [qtype for qtype in torch_quant.DEQUANTIZERS if qtype not in FLOATS]
 
 
-def random_raw(qtype: Q, rows: int, blocks_per_row: int, seed: int = 0) -> np.ndarray:
-    """Random bytes [rows, row_bytes] of a tensor of `qtype`, every fp16 scale finite."""
+def random_raw(qtype: Q, rows: int, blocks_per_row: int, seed: int = 0, any_scale: bool = False) -> np.ndarray:
+    """Random bytes [rows, row_bytes] of a tensor of `qtype`, every block scale finite: about
+    0.05, or drawn from every finite value of its format if `any_scale`."""
     rng = np.random.default_rng(seed)
-    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    block_size = gguf.GGML_QUANT_SIZES[qtype][0]
     if qtype in FLOATS:
         values = rng.normal(0, 1, (rows, blocks_per_row * block_size)).astype(np.float32)
         return gguf.quants.quantize(values, qtype).view(np.uint8)
-    blocks = rng.integers(0, 256, (rows * blocks_per_row, type_size), dtype=np.uint8)
-    for offset in FP16_FIELDS[qtype]:
-        scales = rng.normal(0, 0.05, rows * blocks_per_row).astype(np.float16)
-        blocks[:, offset : offset + 2] = scales.view(np.uint8).reshape(-1, 2)
-    return blocks.reshape(rows, blocks_per_row * type_size)
+    n_blocks = rows * blocks_per_row
+    scales = None if any_scale else rng.normal(0, 0.05, n_blocks)
+    return random_blocks(qtype, n_blocks, rng, scales).reshape(rows, -1)
 
 
 def cols_of(qtype: Q, raw: np.ndarray) -> int:
@@ -58,7 +48,17 @@ def test_dequantize_is_bit_exact_against_gguf(qtype):
     assert torch.equal(got.view(torch.int32), reference(qtype, raw).view(torch.int32))
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", QUANTIZED, ids=lambda q: q.name)
+def test_dequantize_is_bit_exact_against_gguf_for_any_finite_scale(qtype):
+    # 512 blocks: every grid code of the IQ types is drawn (IQ1_S's 2048 with high probability)
+    raw = random_raw(qtype, rows=64, blocks_per_row=8, seed=3, any_scale=True)
+    got = torch_quant.dequantize(torch.from_numpy(raw), qtype, cols_of(qtype, raw))
+    with np.errstate(over="ignore"):  # MXFP4's largest scales times 12 overflow, in both
+        expected = reference(qtype, raw)
+    assert torch.equal(got.view(torch.int32), expected.view(torch.int32))
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.MXFP4], ids=lambda q: q.name)
 def test_dequantize_is_bit_exact_on_blocks_gguf_quantized(qtype):
     values = np.random.default_rng(1).normal(0, 0.02, (8, 128)).astype(np.float32)
     raw = gguf.quants.quantize(values, qtype)
@@ -66,14 +66,14 @@ def test_dequantize_is_bit_exact_on_blocks_gguf_quantized(qtype):
     assert torch.equal(got, reference(qtype, raw))
 
 
-@pytest.mark.parametrize("qtype", [Q.F16, Q.Q8_0, Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [Q.F16, Q.Q8_0, Q.Q4_K, Q.Q6_K, Q.IQ4_XS, Q.MXFP4], ids=lambda q: q.name)
 def test_dequantize_to_bfloat16_rounds_the_exact_float32_values(qtype):
     raw = random_raw(qtype, rows=4, blocks_per_row=2)
     got = torch_quant.dequantize(torch.from_numpy(raw), qtype, cols_of(qtype, raw), torch.bfloat16)
     assert torch.equal(got, reference(qtype, raw).to(torch.bfloat16))
 
 
-@pytest.mark.parametrize("qtype", [Q.F32, Q.Q5_0, Q.Q5_K], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [Q.F32, Q.Q5_0, Q.Q5_K, Q.IQ2_S, Q.TQ1_0, Q.NVFP4], ids=lambda q: q.name)
 def test_dequantize_across_many_slabs_matches_one_pass(qtype, monkeypatch):
     monkeypatch.setattr(torch_quant, "SLAB_ELEMENTS", 1)  # one block per slab
     raw = random_raw(qtype, rows=5, blocks_per_row=3)
@@ -90,8 +90,24 @@ def test_dequantize_returns_a_copy_and_leaves_raw_untouched():
 
 
 def test_dequantize_of_an_unsupported_type_says_which_are():
-    with pytest.raises(UnsupportedTensorTypeError, match="Q4_K"):
-        torch_quant.dequantize(torch.zeros(1, 66, dtype=torch.uint8), Q.IQ2_XXS, 256)
+    with pytest.raises(UnsupportedTensorTypeError, match="Q8_1; supported: .*IQ2_XXS"):
+        torch_quant.dequantize(torch.zeros(1, 40, dtype=torch.uint8), Q.Q8_1, 32)
+
+
+def test_parity_signs_are_ggmls_sign_table():
+    # ggml's ksigns: the byte of sign bits for each 7-bit code (bit j set: value j negative)
+    ksigns = np.frombuffer(gguf.quants.IQ2_XXS.ksigns, dtype=np.uint8)
+    expected = 1 - 2 * ((ksigns[:, None] >> np.arange(8)) & 1).astype(np.float32)
+    assert torch.equal(codebooks.parity_signs(), torch.from_numpy(expected))
+
+
+def test_fp4_tables_are_ggufs_for_every_code():
+    codes = np.arange(256, dtype=np.uint8)
+    assert codebooks.e2m1_doubled().tolist() == list(gguf.quants.MXFP4.kvalues)
+    e8m0 = torch.from_numpy(gguf.quants.MXFP4.e8m0_to_fp32_half(codes).astype(np.float32))
+    ue4m3 = torch.from_numpy(gguf.quants.NVFP4.ue4m3_to_fp32(codes).astype(np.float32))
+    assert torch.equal(codebooks.e8m0_halved().view(torch.int32), e8m0.view(torch.int32))
+    assert torch.equal(codebooks.ue4m3_halved().view(torch.int32), ue4m3.view(torch.int32))
 
 
 @pytest.mark.parametrize("qtype", INT4, ids=lambda q: q.name)

@@ -6,7 +6,9 @@ Every writer takes the file path, config overrides by short name (`block_count=3
 * `architecture` renames the architecture (`general.architecture` and the `<arch>.*` key prefix);
 * `drop` leaves out the named tensors (`"blk.0.attn_q.weight"`);
 * `tensor_types` changes a tensor's GGML type; types `gguf.quants` cannot quantize are written as
-  random bytes of the right size, which is enough for a loader that must refuse them.
+  random codes with block scales that keep the array's spread (`random_quantized`), or, where
+  gguf cannot read the type either, random bytes of the right size: enough for a loader that
+  must refuse them.
 
 Weights are drawn from a generator seeded by `seed`, in a fixed order that does not depend on the
 metadata, so two files that differ only in metadata hold the same weights. Most tensors are F32;
@@ -126,9 +128,96 @@ def _encode(array: np.ndarray, qtype: Q, rng: np.random.Generator) -> np.ndarray
     try:
         return gguf.quants.quantize(array, qtype)
     except NotImplementedError:
-        # Types gguf cannot quantize (IQ*, TQ*): random bytes of the right size still make a valid file.
-        byte_shape = gguf.quants.quant_shape_to_byte_shape(array.shape, qtype)
-        return rng.integers(0, 256, byte_shape, dtype=np.uint8)
+        pass
+    if dequantizable(qtype):  # IQ*, TQ*, NVFP4: random codes at the array's scale
+        return random_quantized(qtype, array.shape, rng, std=float(array.std()))
+    # Types gguf cannot read either: random bytes of the right size still make a valid file.
+    byte_shape = gguf.quants.quant_shape_to_byte_shape(array.shape, qtype)
+    return rng.integers(0, 256, byte_shape, dtype=np.uint8)
+
+
+def dequantizable(qtype: Q) -> bool:
+    """Whether `gguf.quants.dequantize` reads `qtype`."""
+    try:
+        gguf.quants.dequantize(np.zeros((1, gguf.GGML_QUANT_SIZES[qtype][1]), np.uint8), qtype)
+    except NotImplementedError:
+        return False
+    return True
+
+
+# Byte offsets of each block's fp16 scales (d, and dmin or m where the format has one). IQ1_M
+# spreads its fp16 scale over the top nibbles of bytes 49, 51, 53 and 55; MXFP4 keeps an E8M0
+# exponent in byte 0, NVFP4 four UE4M3 scales in bytes 0-3.
+FP16_SCALES = {
+    Q.Q4_0: [0], Q.Q4_1: [0, 2], Q.Q5_0: [0], Q.Q5_1: [0, 2], Q.Q8_0: [0],
+    Q.Q2_K: [80, 82], Q.Q3_K: [108], Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208],
+    Q.IQ1_S: [0], Q.IQ2_XXS: [0], Q.IQ2_XS: [0], Q.IQ2_S: [0], Q.IQ3_XXS: [0], Q.IQ3_S: [0],
+    Q.IQ4_NL: [0], Q.IQ4_XS: [0], Q.TQ1_0: [52], Q.TQ2_0: [64],
+}
+IQ1_M_SCALE_BYTES = [49, 51, 53, 55]
+
+
+def finite_fp16(rng: np.random.Generator, count: int) -> np.ndarray:
+    """`count` fp16 values drawn from every finite bit pattern alike (subnormals and 65504 included)."""
+    patterns = rng.integers(0, 1 << 16, count, dtype=np.uint16)
+    return np.where(patterns & 0x7C00 == 0x7C00, patterns ^ 0x4000, patterns).astype(np.uint16).view(np.float16)
+
+
+def random_blocks(qtype: Q, n_blocks: int, rng: np.random.Generator, scales: np.ndarray | None = None) -> np.ndarray:
+    """Random bytes [n_blocks, type_size] of a quantized `qtype`: random codes, and every block
+    scale set to `scales` [n_blocks] (rounded to the type's scale format), or, without them,
+    drawn from every finite value (MXFP4's and NVFP4's scale bytes are finite as they come)."""
+    type_size = gguf.GGML_QUANT_SIZES[qtype][1]
+    blocks = rng.integers(0, 256, (n_blocks, type_size), dtype=np.uint8)
+
+    def fp16() -> np.ndarray:
+        return finite_fp16(rng, n_blocks) if scales is None else np.asarray(scales).astype(np.float16)
+
+    for offset in FP16_SCALES.get(qtype, []):
+        blocks[:, offset : offset + 2] = fp16().view(np.uint8).reshape(-1, 2)
+    if qtype == Q.IQ1_M:
+        parts = (fp16().view(np.uint16)[:, None] >> np.array([0, 4, 8, 12], dtype=np.uint16)) & 0xF
+        blocks[:, IQ1_M_SCALE_BYTES] = (blocks[:, IQ1_M_SCALE_BYTES] & 0x0F) | (parts.astype(np.uint8) << 4)
+    if qtype == Q.MXFP4 and scales is not None:  # the nearest power of two, 2^(e - 128) halved
+        exponent = np.rint(np.log2(np.maximum(np.abs(scales), 2.0**-128))) + 128
+        blocks[:, 0] = np.clip(exponent, 0, 255).astype(np.uint8)
+    if qtype == Q.NVFP4 and scales is not None:  # the nearest UE4M3 code, for all four groups
+        table = gguf.quants.NVFP4.ue4m3_to_fp32(np.arange(256, dtype=np.uint8))
+        codes = np.abs(np.abs(np.asarray(scales))[:, None] - table[None, :]).argmin(-1)
+        blocks[:, 0:4] = codes.astype(np.uint8)[:, None]
+    return blocks
+
+
+def random_quantized(qtype: Q, shape: tuple[int, ...], rng: np.random.Generator, std: float = 0.05) -> np.ndarray:
+    """The bytes of a `qtype` tensor of `shape` with random codes, whose values have about `std`
+    (block scales vary by up to 1.5x either way)."""
+    n_blocks = int(np.prod(shape)) // gguf.GGML_QUANT_SIZES[qtype][0]
+    unit = random_blocks(qtype, n_blocks, rng, np.ones(n_blocks))
+    spread = float(gguf.quants.dequantize(unit, qtype).std())
+    blocks = random_blocks(qtype, n_blocks, rng, rng.uniform(2 / 3, 3 / 2, n_blocks) * std / spread)
+    return blocks.reshape(gguf.quants.quant_shape_to_byte_shape(shape, qtype))
+
+
+def write_dequantized_copy(path: str | os.PathLike, out: str | os.PathLike) -> str:
+    """The GGUF file at `path` rewritten with every tensor F32 as `gguf.quants.dequantize` reads
+    it (metadata unchanged): the float32 reference of a quantized file."""
+    reader = gguf.GGUFReader(os.fspath(path))
+    writer = gguf.GGUFWriter(os.fspath(out), reader.fields["general.architecture"].contents())
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        main = gguf.GGUFValueType(field.types[0])
+        sub = gguf.GGUFValueType(field.types[-1]) if main == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(key, field.contents(), main, sub)
+    for tensor in reader.tensors:
+        shape = [int(n) for n in reversed(tensor.shape)]
+        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32).reshape(shape)
+        writer.add_tensor(tensor.name, values)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return os.fspath(out)
 
 
 def _write(

@@ -21,9 +21,10 @@ import gguf
 import torch
 
 from corral.errors import UnsupportedTensorTypeError
+from corral.plugins.backends.torch import dequantize_iq
+from corral.plugins.backends.torch.block_fields import QK_K, bits, crumbs, f16, nibbles
 
 Q = gguf.GGMLQuantizationType
-QK_K = 256
 INT4_GROUP = 32
 SLAB_ELEMENTS = 1 << 20
 
@@ -32,28 +33,6 @@ def _blocks(raw: torch.Tensor, qtype: Q) -> torch.Tensor:
     """The tensor's bytes as [n_blocks, type_size] (a view, no copy)."""
     type_size = gguf.GGML_QUANT_SIZES[qtype][1]
     return raw.reshape(-1, type_size)
-
-
-def _f16(blocks: torch.Tensor, start: int) -> torch.Tensor:
-    """The fp16 stored at byte `start` of every block, as float32 [n_blocks, 1]."""
-    return blocks[:, start : start + 2].contiguous().view(torch.float16).float()
-
-
-def _nibbles(qs: torch.Tensor) -> torch.Tensor:
-    """Bytes [..., n] -> codes [..., 2n]: all low nibbles, then all high nibbles (ggml's order)."""
-    return torch.cat((qs & 0x0F, qs >> 4), dim=-1)
-
-
-def _bits(qh: torch.Tensor, count: int) -> torch.Tensor:
-    """Bytes [..., n] -> their low `count` bits [..., n, count], bit 0 first."""
-    shifts = torch.arange(count, dtype=torch.uint8)
-    return (qh.unsqueeze(-1) >> shifts).bitwise_and_(1)
-
-
-def _crumbs(qs: torch.Tensor, groups: int) -> torch.Tensor:
-    """2-bit fields: bytes [n_blocks, groups * 32] -> [n_blocks, groups, 4, 32], bits 0-1 first."""
-    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(1, 1, 4, 1)
-    return (qs.reshape(-1, groups, 1, 32) >> shifts).bitwise_and_(3)
 
 
 def _k_scale_min(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,73 +67,73 @@ def _bf16_values(blocks: torch.Tensor) -> torch.Tensor:
 
 
 def _q4_0(blocks: torch.Tensor) -> torch.Tensor:
-    d = _f16(blocks, 0)
-    return _nibbles(blocks[:, 2:]).float().sub_(8).mul_(d)
+    d = f16(blocks, 0)
+    return nibbles(blocks[:, 2:]).float().sub_(8).mul_(d)
 
 
 def _q4_1(blocks: torch.Tensor) -> torch.Tensor:
-    d, m = _f16(blocks, 0), _f16(blocks, 2)
-    return _nibbles(blocks[:, 4:]).float().mul_(d).add_(m)
+    d, m = f16(blocks, 0), f16(blocks, 2)
+    return nibbles(blocks[:, 4:]).float().mul_(d).add_(m)
 
 
 def _q5_0(blocks: torch.Tensor) -> torch.Tensor:
-    d = _f16(blocks, 0)
-    q = _nibbles(blocks[:, 6:]).bitwise_or_(_bits(blocks[:, 2:6], 8).reshape(-1, 32) << 4)
+    d = f16(blocks, 0)
+    q = nibbles(blocks[:, 6:]).bitwise_or_(bits(blocks[:, 2:6], 8).reshape(-1, 32) << 4)
     return q.float().sub_(16).mul_(d)
 
 
 def _q5_1(blocks: torch.Tensor) -> torch.Tensor:
-    d, m = _f16(blocks, 0), _f16(blocks, 2)
-    q = _nibbles(blocks[:, 8:]).bitwise_or_(_bits(blocks[:, 4:8], 8).reshape(-1, 32) << 4)
+    d, m = f16(blocks, 0), f16(blocks, 2)
+    q = nibbles(blocks[:, 8:]).bitwise_or_(bits(blocks[:, 4:8], 8).reshape(-1, 32) << 4)
     return q.float().mul_(d).add_(m)
 
 
 def _q8_0(blocks: torch.Tensor) -> torch.Tensor:
-    d = _f16(blocks, 0)
+    d = f16(blocks, 0)
     return blocks[:, 2:].view(torch.int8).float().mul_(d)
 
 
 def _q2_k(blocks: torch.Tensor) -> torch.Tensor:
     scales = blocks[:, 0:16]
-    d, dmin = _f16(blocks, 80), _f16(blocks, 82)
+    d, dmin = f16(blocks, 80), f16(blocks, 82)
     dl = (d * (scales & 0x0F).float()).unsqueeze(-1)
     ml = (dmin * (scales >> 4).float()).unsqueeze(-1)
-    q = _crumbs(blocks[:, 16:80], 2).reshape(-1, 16, 16).float()
+    q = crumbs(blocks[:, 16:80], 2).reshape(-1, 16, 16).float()
     return q.mul_(dl).sub_(ml).reshape(-1, QK_K)
 
 
 def _q3_k(blocks: torch.Tensor) -> torch.Tensor:
     hmask, packed = blocks[:, 0:32], blocks[:, 96:108]
-    d = _f16(blocks, 108)
+    d = f16(blocks, 108)
     shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(1, 4, 1)
     high = (packed[:, 8:12].reshape(-1, 1, 4) >> shifts).bitwise_and_(3).reshape(-1, 16)
-    scales = _nibbles(packed[:, 0:8]).bitwise_or_(high << 4).float().sub_(32)
+    scales = nibbles(packed[:, 0:8]).bitwise_or_(high << 4).float().sub_(32)
     # A clear high bit subtracts 4; a set one subtracts nothing.
-    qh = (_bits(hmask, 8).transpose(1, 2) ^ 1).reshape(-1, 16, 16)
-    q = _crumbs(blocks[:, 32:96], 2).reshape(-1, 16, 16).float().sub_(qh.float().mul_(4))
+    qh = (bits(hmask, 8).transpose(1, 2) ^ 1).reshape(-1, 16, 16)
+    q = crumbs(blocks[:, 32:96], 2).reshape(-1, 16, 16).float().sub_(qh.float().mul_(4))
     return q.mul_((d * scales).unsqueeze(-1)).reshape(-1, QK_K)
 
 
 def _q4_k(blocks: torch.Tensor) -> torch.Tensor:
-    d, dmin = _f16(blocks, 0).unsqueeze(-1), _f16(blocks, 2).unsqueeze(-1)
+    d, dmin = f16(blocks, 0).unsqueeze(-1), f16(blocks, 2).unsqueeze(-1)
     sc, mn = _k_scale_min(blocks[:, 4:16])
     q = _k_low_nibbles(blocks[:, 16:]).float()
     return q.mul_(d * sc).sub_(dmin * mn).reshape(-1, QK_K)
 
 
 def _q5_k(blocks: torch.Tensor) -> torch.Tensor:
-    d, dmin = _f16(blocks, 0).unsqueeze(-1), _f16(blocks, 2).unsqueeze(-1)
+    d, dmin = f16(blocks, 0).unsqueeze(-1), f16(blocks, 2).unsqueeze(-1)
     sc, mn = _k_scale_min(blocks[:, 4:16])
-    high = _bits(blocks[:, 16:48], 8).transpose(1, 2)
+    high = bits(blocks[:, 16:48], 8).transpose(1, 2)
     q = _k_low_nibbles(blocks[:, 48:]).bitwise_or_(high << 4).float()
     return q.mul_(d * sc).sub_(dmin * mn).reshape(-1, QK_K)
 
 
 def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
     ql, scales = blocks[:, 0:128].reshape(-1, 2, 1, 64), blocks[:, 192:208]
-    d = _f16(blocks, 208)
+    d = f16(blocks, 208)
     low = torch.cat((ql & 0x0F, ql >> 4), dim=2).reshape(-1, 8, 32)
-    high = _crumbs(blocks[:, 128:192], 2).reshape(-1, 8, 32)
+    high = crumbs(blocks[:, 128:192], 2).reshape(-1, 8, 32)
     q = low.bitwise_or_(high << 4).reshape(-1, 16, 16).float().sub_(32)
     return q.mul_((d * scales.view(torch.int8).float()).unsqueeze(-1)).reshape(-1, QK_K)
 
@@ -173,6 +152,7 @@ DEQUANTIZERS: dict[Q, Callable[[torch.Tensor], torch.Tensor]] = {
     Q.Q4_K: _q4_k,
     Q.Q5_K: _q5_k,
     Q.Q6_K: _q6_k,
+    **dequantize_iq.DEQUANTIZERS,
 }
 
 
@@ -198,17 +178,17 @@ def dequantize(raw: torch.Tensor, qtype: Q, cols: int, dtype: torch.dtype = torc
 
 
 def _q4_0_int4(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    d = _f16(blocks, 0)
-    return _nibbles(blocks[:, 2:]), d, -8 * d
+    d = f16(blocks, 0)
+    return nibbles(blocks[:, 2:]), d, -8 * d
 
 
 def _q4_1_int4(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    d, m = _f16(blocks, 0), _f16(blocks, 2)
-    return _nibbles(blocks[:, 4:]), d, m
+    d, m = f16(blocks, 0), f16(blocks, 2)
+    return nibbles(blocks[:, 4:]), d, m
 
 
 def _q4_k_int4(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    d, dmin = _f16(blocks, 0), _f16(blocks, 2)
+    d, dmin = f16(blocks, 0), f16(blocks, 2)
     sc, mn = _k_scale_min(blocks[:, 4:16])
     return _k_low_nibbles(blocks[:, 16:]), d * sc.squeeze(-1), -dmin * mn.squeeze(-1)
 
