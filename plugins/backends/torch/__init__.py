@@ -24,8 +24,9 @@ passes (fusion.py), reused for later batches of the same shape and run eagerly b
 (as generated straight-line Python from a graph's second run).
 
 Modules: backend.py (tensors loaded, contexts made), context.py (the ops), graph.py, fusion.py,
-attention.py, layouts.py (how a weight is held), dequantize.py (GGUF bytes decoded), int4_packing.py
-(torch's int4 kernel layouts), native.py (the C kernels in native/, built and bound).
+attention.py, layouts.py (how a weight is held), dequantize.py (GGUF bytes decoded; the IQ, TQ and
+FP4 formats in dequantize_iq.py, their tables in codebooks.py, block fields in block_fields.py),
+int4_packing.py (torch's int4 kernel layouts), native.py (the C kernels in native/, built and bound).
 """
 
 from corral.hookspecs import hookimpl

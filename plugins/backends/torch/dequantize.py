@@ -5,6 +5,8 @@ Every function takes the raw bytes of one GGUF tensor as a uint8 tensor [rows, r
 ops over slabs of about a million elements. `dequantize` equals `gguf.quants.dequantize` bit for
 bit in float32: every product of an fp16 scale with the small integer codes is exact in float32,
 so the one rounding left (the add of a min, or Q6_K's last product) is the same as in gguf's numpy.
+The formats here are ggml's scalar ones (floats, Q4_0..Q8_0, the k-quants); the codebook and
+ternary ones (IQ*, TQ*, MXFP4, NVFP4) are in dequantize_iq.py, and `dequantize` takes them all.
 
 Q4_0, Q4_1 and Q4_K map exactly onto torch's int4 group-32 format, w = (q - 8) * scale + zero:
 
