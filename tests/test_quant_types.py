@@ -3,31 +3,25 @@ the logits of its float32 reference (the same file with gguf's dequantization of
 
 from __future__ import annotations
 
-import corral
 import gguf
 import numpy as np
 import pytest
+import torch
+from tiny_gguf import VOCAB_SIZE, write_dequantized_copy, write_tensors, write_tiny_llama
+
+import corral
 from corral.errors import UnsupportedTensorTypeError
 from corral.gguf import GGUFFile
 from corral.plugins.backends.torch import TorchBackend, dequantize_iq
 from corral.plugins.backends.torch.backend import predicted_bytes
 from corral.plugins.backends.torch.dequantize import DEQUANTIZERS
 from corral.plugins.backends.torch.layouts import Int8Weight, MappedRows, RescoredLogits
-from tiny_gguf import VOCAB_SIZE, write_dequantized_copy, write_tiny_llama
 
 Q = gguf.GGMLQuantizationType
 TYPES = list(dequantize_iq.DEQUANTIZERS)
 # Widths that every block size divides (256 values at most).
 SIZES = {"embedding_length": 256, "feed_forward_length": 256}
-LINEARS = [
-    "attn_q",
-    "attn_k",
-    "attn_v",
-    "attn_output",
-    "ffn_gate",
-    "ffn_up",
-    "ffn_down",
-]
+LINEARS = ["attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"]
 TOKENS = [int(t) for t in np.random.default_rng(7).integers(0, VOCAB_SIZE, 9)]
 # Of the logits' scale. Every linear here is of the type, requantized to int8 rows and fed bf16
 # activations: the logits moved by up to 3.4% of their scale (MXFP4), where test_conformance's
@@ -63,9 +57,7 @@ def test_each_role_loads_into_a_compact_layout(files):
     assert weight.nbytes == predicted_bytes("int8", linear)
     assert type(backend.load_tensor(gguf_file, embedding, "embedding")) is MappedRows
     logits = backend.load_tensor(gguf_file, embedding, "logits")
-    assert type(logits) is RescoredLogits and logits.nbytes <= embedding.shape[0] * (
-        embedding.shape[1] + 2
-    )
+    assert type(logits) is RescoredLogits and logits.nbytes <= embedding.shape[0] * (embedding.shape[1] + 2)
 
 
 def test_fp32_logits_equal_those_of_the_dequantized_reference(files):
@@ -80,25 +72,35 @@ def test_default_precision_logits_are_close_to_the_reference(files):
     _, path, reference = files
     got = corral.load_model(path).logits(TOKENS)
     expected = corral.load_model(reference, precision="fp32").logits(TOKENS)
-    np.testing.assert_allclose(
-        got, expected, rtol=0, atol=AUTO_TOLERANCE * np.abs(expected).max()
-    )
+    np.testing.assert_allclose(got, expected, rtol=0, atol=AUTO_TOLERANCE * np.abs(expected).max())
 
 
-UNREAD = [
-    q
-    for q in Q
-    if q in gguf.GGML_QUANT_SIZES
-    and gguf.GGML_QUANT_SIZES[q][0] > 1
-    and q not in DEQUANTIZERS
-]
+@pytest.mark.parametrize("qtype", [Q.MXFP4, Q.IQ4_XS], ids=lambda q: q.name)
+def test_an_expert_stack_of_the_type_loads_as_int8_experts(tmp_path, qtype):
+    # gpt-oss keeps its experts in MXFP4: one int8 linear per expert, over that expert's rows
+    rng = np.random.default_rng(0)
+    stack = rng.normal(0, 0.05, (4, 32, 256)).astype(np.float32)
+    path = tmp_path / "experts.gguf"
+    write_tensors(gguf.GGUFWriter(str(path), "llama"), {"ffn_up_exps.weight": (stack, qtype)}, rng)
+    gguf_file = GGUFFile.open(path)
+    info = gguf_file.tensors["ffn_up_exps.weight"]
+    experts = TorchBackend(device="cpu").load_tensor(gguf_file, info, "experts")
+    assert info.qtype == qtype and all(type(expert) is Int8Weight for expert in experts.experts)
+    assert experts.nbytes == 4 * (32 * 256 + 2 * 32)
+    reader = gguf.GGUFReader(str(path))
+    exact = torch.from_numpy(gguf.quants.dequantize(reader.tensors[0].data, qtype).reshape(4, 32, 256).astype(np.float32))
+    x, ids = torch.from_numpy(rng.normal(0, 1, (3, 256)).astype(np.float32)), torch.tensor([[0, 3], [3, 1], [2, 2]])
+    expected = torch.einsum("ri,rkoi->rko", x, exact[ids])
+    got = experts.matmul_selected(x, ids, None, None)
+    torch.testing.assert_close(got, expected, rtol=0, atol=AUTO_TOLERANCE * float(expected.abs().max()))
+
+
+UNREAD = [q for q in Q if q in gguf.GGML_QUANT_SIZES and gguf.GGML_QUANT_SIZES[q][0] > 1 and q not in DEQUANTIZERS]
 
 
 @pytest.mark.parametrize("qtype", UNREAD, ids=lambda q: q.name)
 def test_a_type_gguf_cannot_read_is_refused_by_name(tmp_path, qtype):
-    path = write_tiny_llama(
-        tmp_path / "tiny.gguf", tensor_types={"blk.0.attn_k.weight": qtype}, **SIZES
-    )
+    path = write_tiny_llama(tmp_path / "tiny.gguf", tensor_types={"blk.0.attn_k.weight": qtype}, **SIZES)
     with pytest.raises(
         UnsupportedTensorTypeError,
         match=rf"'blk\.0\.attn_k\.weight' has type {qtype.name}",

@@ -149,10 +149,26 @@ def dequantizable(qtype: Q) -> bool:
 # spreads its fp16 scale over the top nibbles of bytes 49, 51, 53 and 55; MXFP4 keeps an E8M0
 # exponent in byte 0, NVFP4 four UE4M3 scales in bytes 0-3.
 FP16_SCALES = {
-    Q.Q4_0: [0], Q.Q4_1: [0, 2], Q.Q5_0: [0], Q.Q5_1: [0, 2], Q.Q8_0: [0],
-    Q.Q2_K: [80, 82], Q.Q3_K: [108], Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208],
-    Q.IQ1_S: [0], Q.IQ2_XXS: [0], Q.IQ2_XS: [0], Q.IQ2_S: [0], Q.IQ3_XXS: [0], Q.IQ3_S: [0],
-    Q.IQ4_NL: [0], Q.IQ4_XS: [0], Q.TQ1_0: [52], Q.TQ2_0: [64],
+    Q.Q4_0: [0],
+    Q.Q4_1: [0, 2],
+    Q.Q5_0: [0],
+    Q.Q5_1: [0, 2],
+    Q.Q8_0: [0],
+    Q.Q2_K: [80, 82],
+    Q.Q3_K: [108],
+    Q.Q4_K: [0, 2],
+    Q.Q5_K: [0, 2],
+    Q.Q6_K: [208],
+    Q.IQ1_S: [0],
+    Q.IQ2_XXS: [0],
+    Q.IQ2_XS: [0],
+    Q.IQ2_S: [0],
+    Q.IQ3_XXS: [0],
+    Q.IQ3_S: [0],
+    Q.IQ4_NL: [0],
+    Q.IQ4_XS: [0],
+    Q.TQ1_0: [52],
+    Q.TQ2_0: [64],
 }
 IQ1_M_SCALE_BYTES = [49, 51, 53, 55]
 

@@ -14,16 +14,9 @@ from collections.abc import Callable
 
 import gguf
 import torch
+
 from corral.plugins.backends.torch import codebooks
-from corral.plugins.backends.torch.block_fields import (
-    QK_K,
-    bits,
-    crumbs,
-    f16,
-    nibble_pairs,
-    nibbles,
-    words,
-)
+from corral.plugins.backends.torch.block_fields import QK_K, bits, crumbs, f16, nibble_pairs, nibbles, words
 
 Q = gguf.GGMLQuantizationType
 
@@ -53,9 +46,7 @@ def _iq2_xxs(blocks: torch.Tensor) -> torch.Tensor:
     d = f16(blocks, 0)
     groups = blocks[:, 2:].reshape(-1, 8, 8)
     aux = words(groups[..., 4:], 4).squeeze(-1)  # [n, 8]
-    signs = _lookup(
-        codebooks.parity_signs(), (aux[..., None] >> SIGN_CODE_SHIFTS) & 0x7F
-    )
+    signs = _lookup(codebooks.parity_signs(), (aux[..., None] >> SIGN_CODE_SHIFTS) & 0x7F)
     scale = _half_steps(groups[..., 7] >> 4, d, 0.25)
     values = _lookup(codebooks.grid(Q.IQ2_XXS), groups[..., :4]).mul_(signs)
     return values.mul_(scale[..., None, None]).reshape(-1, QK_K)
@@ -86,9 +77,7 @@ def _iq3_xxs(blocks: torch.Tensor) -> torch.Tensor:
     # 64 1-byte codes of 4 values, then per group of 32 a word of four sign codes and a scale.
     d = f16(blocks, 0)
     aux = words(blocks[:, 66:98], 4)  # [n, 8]
-    signs = _lookup(
-        codebooks.parity_signs(), (aux[..., None] >> SIGN_CODE_SHIFTS) & 0x7F
-    )
+    signs = _lookup(codebooks.parity_signs(), (aux[..., None] >> SIGN_CODE_SHIFTS) & 0x7F)
     scale = _half_steps((aux >> 28) & 0x0F, d, 0.5)
     values = _lookup(codebooks.grid(Q.IQ3_XXS), blocks[:, 2:66]).view(-1, 8, 4, 8)
     return values.mul_(signs).mul_(scale[..., None, None]).reshape(-1, QK_K)
@@ -110,9 +99,7 @@ def _iq1_s(blocks: torch.Tensor) -> torch.Tensor:
     # parts, a 3-bit odd scale and the sign of a shift of 1/8.
     d = f16(blocks, 0)
     qh = words(blocks[:, 34:50], 2)  # [n, 8]
-    codes = blocks[:, 2:34].view(-1, 8, 4).int() | (
-        ((qh[..., None] >> TRIPLET_SHIFTS) & 7) << 8
-    )
+    codes = blocks[:, 2:34].view(-1, 8, 4).int() | (((qh[..., None] >> TRIPLET_SHIFTS) & 7) << 8)
     delta = torch.where((qh & 0x8000) == 0, IQ1_DELTA, -IQ1_DELTA)
     scale = ((qh >> 12) & 7).float().mul_(2).add_(1).mul_(d)
     values = _lookup(codebooks.grid(Q.IQ1_S), codes).add_(delta[..., None, None])
@@ -148,9 +135,7 @@ def _iq4_xs(blocks: torch.Tensor) -> torch.Tensor:
     high = (words(blocks[:, 2:4], 2) >> PAIR_SHIFTS) & 3  # [n, 8]
     scale = (nibble_pairs(blocks[:, 4:8]).int() | (high << 4)).sub_(32).float().mul_(d)
     codes = nibbles(blocks[:, 8:].reshape(-1, 8, 16))  # [n, 8, 32]
-    return (
-        _lookup(codebooks.iq4_values(), codes).mul_(scale[..., None]).reshape(-1, QK_K)
-    )
+    return _lookup(codebooks.iq4_values(), codes).mul_(scale[..., None]).reshape(-1, QK_K)
 
 
 def _tq1_0(blocks: torch.Tensor) -> torch.Tensor:
