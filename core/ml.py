@@ -35,6 +35,9 @@ class Yarn:
     ext_factor: float = 1.0  # how much of the blend applies (0: plain interpolation)
     beta_fast: float = 32.0
     beta_slow: float = 1.0
+    # The ramp's ends rounded outward to whole pairs, as ggml always does; gpt-oss was trained
+    # without the rounding (transformers' `truncate: false`), which no GGUF key records.
+    truncate: bool = True
 
 
 @attrs.frozen

@@ -233,7 +233,10 @@ def _yarn_correction_range(dims: int, base: float, yarn: Yarn) -> tuple[float, f
     def pair_turning(turns: float) -> float:
         return dims * math.log(yarn.original_context / (turns * 2 * math.pi)) / (2 * math.log(base))
 
-    return max(0.0, math.floor(pair_turning(yarn.beta_fast))), min(dims - 1.0, math.ceil(pair_turning(yarn.beta_slow)))
+    low, high = pair_turning(yarn.beta_fast), pair_turning(yarn.beta_slow)
+    if yarn.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    return max(0.0, low), min(dims - 1.0, high)
 
 
 def _rope(x: torch.Tensor, table: Any, dims: int, neox: bool) -> torch.Tensor:
