@@ -168,6 +168,14 @@ class Context(Protocol):
         Only the selected experts' weights are read.
         """
 
+    def stacked_linear(self, x: Tensor, weights: Any) -> Tensor:
+        """x [n, k, in] with slot j through matrix j of a loaded "experts" stack [k, out, in] -> [n, k, out]
+        (ggml's mul_mat over a 3-D weight: per-head projections such as MLA's k_b and v_b)."""
+
+    def keep_only(self, x: Tensor, indices: Tensor, fill: float = float("-inf")) -> Tensor:
+        """x with every entry along the last dim that `indices` [.., k] does not name set to `fill`
+        (the expert groups a router may choose from)."""
+
     def compute(self, *outputs: Tensor) -> list[Any]:
         """Run the graph and return `outputs` as torch tensors on the backend's device."""
 

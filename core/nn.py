@@ -215,6 +215,13 @@ class MoEOptions:
     normalize: bool = False  # the chosen weights rescaled to sum to 1
     scale: float = 1.0  # the routed experts' output multiplied by it
     activation: str = "silu"
+    # Grouped routing (DeepSeek V2/V3): the `experts` split into `groups` equal groups, each scored
+    # by the sum of its best `group_top` selection scores; experts are chosen from the best
+    # `groups_used` groups only.
+    experts: int = 0
+    groups: int = 1
+    groups_used: int = 1
+    group_top: int = 2
 
 
 @attrs.frozen
@@ -254,8 +261,19 @@ class MoE:
         else:
             raise ValueError(f"unknown gating {opt.gating!r}")
         selection = scores if self.selection_bias is None else scores + self.selection_bias.weight
+        if opt.groups > 1:
+            selection = self.best_groups_only(ctx, selection, opt)
         _, ids = ctx.top_k(selection, opt.experts_used)
         weights = ctx.gather(scores, ids)
         if opt.normalize:
             weights = weights / ctx.sum(weights, dim=-1, keepdim=True)
         return weights, ids
+
+    def best_groups_only(self, ctx: Any, selection: Any, opt: MoEOptions) -> Any:
+        """`selection` [n, experts] with the experts outside each row's best groups at -inf."""
+        grouped = ctx.reshape(selection, (-1, opt.groups, opt.experts // opt.groups))
+        best, _ = ctx.top_k(grouped, min(opt.group_top, opt.experts // opt.groups))
+        group_scores = ctx.sum(best, dim=-1)  # [n, groups]
+        _, kept = ctx.top_k(group_scores, opt.groups_used)
+        offsets = ctx.keep_only(group_scores, kept) - group_scores  # 0 for a kept group, -inf for the others
+        return ctx.reshape(grouped + ctx.reshape(offsets, (-1, opt.groups, 1)), (-1, opt.experts))

@@ -136,6 +136,12 @@ class TorchContext(Graph):
     def expert_linear(self, x: Node, experts: Any, ids: Node, bias: Any = None) -> Node:
         return self.record(experts.matmul_selected, x, ids, bias, Slot("runs") if self.batch is not None else None)
 
+    def stacked_linear(self, x: Node, weights: Any) -> Node:
+        return self.record(weights.matmul_each, x, Slot("runs") if self.batch is not None else None)
+
+    def keep_only(self, x: Node, indices: Node, fill: float = float("-inf")) -> Node:
+        return self.record(_keep_only, x, indices, fill)
+
     def silu(self, x: Node) -> Node:
         return self.record(F.silu, x)
 
@@ -185,6 +191,10 @@ def _softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
 def _top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     # Sorted: the slot order sets the order the chosen experts' outputs are summed in.
     return torch.topk(x, k, dim=-1, sorted=True)
+
+
+def _keep_only(x: torch.Tensor, indices: torch.Tensor, fill: float) -> torch.Tensor:
+    return torch.full_like(x, fill).scatter(-1, indices, x.gather(-1, indices))
 
 
 def _rope_table(positions: torch.Tensor, rope: Rope, view: Any = None) -> Any:

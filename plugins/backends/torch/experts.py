@@ -53,6 +53,12 @@ class ExpertWeights:
         return out
 
 
+    def matmul_each(self, x: torch.Tensor, runs: Sequence[tuple[int, int]] | None) -> torch.Tensor:
+        """[n, k, out]: slot j of x [n, k, in] through expert j, every expert over all rows (per-head
+        projections); each product takes the batch's runs, so it is batch-invariant as a linear is."""
+        return torch.stack([expert.matmul(x[:, j].contiguous(), runs).float() for j, expert in enumerate(self.experts)], dim=1)
+
+
 def _sequence_of_rows(runs: Sequence[tuple[int, int]] | None, rows: int) -> list[int]:
     """Which run (sequence) each batch row belongs to; every row its own when the runs are unknown."""
     if runs is None:
