@@ -15,7 +15,7 @@ from corral.errors import MissingTensorError
 from corral.kvcache import CausalCache
 from corral.ml import Rope, Yarn
 from corral.model import Batch, CacheLayer, TensorBinder, module, tensor
-from corral.nn import Attention, GatedMLP, Linear, RMSNorm
+from corral.nn import Attention, GatedMLP, Linear, MoE, MoEOptions, RMSNorm, Vector
 from corral.plugins.backends.torch.backend import TorchBackend
 from corral.plugins.backends.torch.experts import ExpertWeights
 from corral.plugins.backends.torch.layouts import DenseWeight, Int8Weight
@@ -239,3 +239,70 @@ def test_a_fused_projection_replaces_the_separate_ones():
 def test_attention_without_projections_is_a_missing_tensor():
     with pytest.raises(MissingTensorError, match="q, k and v"):
         planned(["blk.0.attn_norm.weight", "blk.0.attn_output.weight"])
+
+
+# --- per-head products, group masks, grouped routing, unrounded YaRN ------------------------
+
+
+def test_stacked_linear_multiplies_each_slot_by_its_own_matrix():
+    experts, weights = expert_stack("dense")
+    x = torch.randn(3, EXPERTS, IN, generator=torch.Generator().manual_seed(8))
+    out = run_ops(lambda ctx: ctx.stacked_linear(constant(ctx, x), experts))
+    torch.testing.assert_close(out, torch.einsum("rki,koi->rko", x, weights), rtol=0, atol=1e-5)
+
+
+def test_stacked_linear_gives_a_sequence_the_same_bits_alone_and_batched():
+    experts, _ = expert_stack("int8")
+    rng = np.random.default_rng(9)
+    alone_x, other_x = rng.standard_normal((1, EXPERTS, IN), dtype=np.float32), rng.standard_normal((5, EXPERTS, IN), dtype=np.float32)
+
+    def product(x, sequences):
+        n = len(sequences)
+        batch = Batch(np.zeros(n, np.int64), np.arange(n, dtype=np.int64), np.asarray(sequences, np.int64), np.arange(n, dtype=np.int64))
+        return run_ops(lambda ctx: ctx.stacked_linear(constant(ctx, x), experts), batch)
+
+    assert torch.equal(product(np.concatenate([other_x, alone_x]), [1] * 5 + [0])[5:], product(alone_x, [0]))
+
+
+def test_keep_only_fills_every_entry_not_named():
+    x = torch.tensor([[1.0, 2.0, 3.0, 4.0], [5.0, 6.0, 7.0, 8.0]])
+    out = run_ops(lambda ctx: ctx.keep_only(constant(ctx, x), ctx.input(np.array([[3, 0], [1, 1]])), fill=-1.0))
+    assert out.tolist() == [[1.0, -1.0, -1.0, 4.0], [-1.0, 6.0, -1.0, -1.0]]
+
+
+@pytest.mark.parametrize("group_top", [1, 2])
+def test_grouped_routing_chooses_only_from_the_best_groups(group_top):
+    experts, groups, used, k = 8, 4, 2, 3
+    gen = torch.Generator().manual_seed(10)
+    x, router = torch.randn(6, IN, generator=gen), torch.randn(experts, IN, generator=gen)
+    bias = torch.randn(experts, generator=gen) * 0.1
+    moe = MoE(router=Linear(DenseWeight(router)), selection_bias=Vector(bias))
+    opt = MoEOptions(k, gating="sigmoid", normalize=True, experts=experts, groups=groups, groups_used=used, group_top=group_top)
+    weights, ids = run_ops(lambda ctx: moe.route(ctx, constant(ctx, x), opt))
+
+    scores = torch.sigmoid(x @ router.T)
+    choice = (scores + bias).reshape(6, groups, -1)
+    best_groups = choice.topk(group_top, dim=-1).values.sum(-1).topk(used, dim=-1).indices
+    allowed = torch.zeros(6, groups, dtype=torch.bool).scatter(1, best_groups, True).repeat_interleave(experts // groups, dim=1)
+    expected_ids = choice.reshape(6, -1).masked_fill(~allowed, float("-inf")).topk(k, dim=-1).indices
+    expected = scores.gather(1, expected_ids)
+    assert torch.equal(ids, expected_ids)
+    torch.testing.assert_close(weights, expected / expected.sum(-1, keepdim=True), rtol=0, atol=1e-6)
+
+
+def test_unrounded_yarn_ramps_between_the_exact_turning_pairs():
+    dims, base, factor, trained = 32, 10000.0, 4.0, 4096
+    x = torch.randn(3, 1, dims, generator=torch.Generator().manual_seed(11))
+    positions = np.array([3, 300, 3000])
+    yarn = Yarn(original_context=trained, truncate=False)
+    got = rotate(x, positions, Rope(dims=dims, base=base, scale=1 / factor, neox=True, yarn=yarn))
+
+    def turning_pair(turns):
+        return dims * math.log(trained / (turns * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = turning_pair(32.0), turning_pair(1.0)
+    keep = 1 - ((torch.arange(dims // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    trained_angles = torch.from_numpy(positions).double()[:, None] / base ** (torch.arange(0, dims, 2, dtype=torch.float64) / dims)
+    angles = trained_angles / factor * (1 - keep) + trained_angles * keep
+    torch.testing.assert_close(got, naive_neox_rope(x, positions, angles, magnitude=1 + 0.1 * math.log(factor)), rtol=0, atol=1e-4)
+    assert low != math.floor(low) and high != math.ceil(high)  # rounding would have moved both ends
