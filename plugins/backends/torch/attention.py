@@ -181,7 +181,7 @@ def _sdpa(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask:
         return F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa)
     folded = queries.reshape(batch, keys.shape[1], heads // keys.shape[1], dim)
     out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask, scale=scale)
-    return out.reshape(batch, heads, 1, dim)
+    return out.reshape(batch, heads, 1, values.shape[-1])
 
 
 def _decode_batches(groups: list[Any]) -> list[list[int]]:
