@@ -18,7 +18,16 @@ import attrs
 import numpy as np
 import pytest
 from reference_models import ReferenceSpec, pytest_params
-from tiny_gguf import VOCAB_SIZE, write_tiny_gemma3, write_tiny_gpt2, write_tiny_llama
+from tiny_gguf import (
+    VOCAB_SIZE,
+    write_tiny_deepseek2,
+    write_tiny_gemma3,
+    write_tiny_gpt2,
+    write_tiny_gpt_oss,
+    write_tiny_llama,
+    write_tiny_mixtral,
+    write_tiny_qwen3moe,
+)
 
 import corral
 from corral.gguf import GGUFFile
@@ -31,6 +40,10 @@ GPT2_MISSING = importlib.util.find_spec("corral_gpt2") is None
 HAND_WRITTEN = [
     pytest.param(("llama", write_tiny_llama), id="llama"),
     pytest.param(("gemma3", write_tiny_gemma3), id="gemma3"),
+    pytest.param(("llama", write_tiny_mixtral), id="mixtral"),
+    pytest.param(("qwen3moe", write_tiny_qwen3moe), id="qwen3moe"),
+    pytest.param(("gpt-oss", write_tiny_gpt_oss), id="gpt-oss"),
+    pytest.param(("deepseek2", write_tiny_deepseek2), id="deepseek2"),
     pytest.param(
         ("gpt2", write_tiny_gpt2),
         id="gpt2",

@@ -40,6 +40,25 @@ _KEYS = {
     "rms_eps": "attention.layer_norm_rms_epsilon",
     "norm_eps": "attention.layer_norm_epsilon",
     "rope_base": "rope.freq_base",
+    "rope_dims": "rope.dimension_count",
+    "rope_scaling_type": "rope.scaling.type",
+    "rope_scaling_factor": "rope.scaling.factor",
+    "rope_original_context": "rope.scaling.original_context_length",
+    "rope_yarn_log_mul": "rope.scaling.yarn_log_multiplier",
+    "expert_count": "expert_count",
+    "expert_used_count": "expert_used_count",
+    "expert_feed_forward_length": "expert_feed_forward_length",
+    "expert_shared_count": "expert_shared_count",
+    "expert_weights_norm": "expert_weights_norm",
+    "expert_weights_scale": "expert_weights_scale",
+    "expert_gating_func": "expert_gating_func",
+    "expert_group_count": "expert_group_count",
+    "expert_group_used_count": "expert_group_used_count",
+    "leading_dense_block_count": "leading_dense_block_count",
+    "q_lora_rank": "attention.q_lora_rank",
+    "kv_lora_rank": "attention.kv_lora_rank",
+    "key_length_mla": "attention.key_length_mla",
+    "value_length_mla": "attention.value_length_mla",
 }
 
 LLAMA = dict(
@@ -51,6 +70,30 @@ GEMMA3 = dict(
     block_count=6, embedding_length=64, feed_forward_length=128, context_length=128,
     head_count=4, head_count_kv=2, key_length=16, value_length=16, sliding_window=4,
     rms_eps=1e-6, rope_base=1000000.0,
+)
+MIXTRAL = dict(LLAMA, expert_count=4, expert_used_count=2)
+QWEN3MOE = dict(
+    block_count=2, embedding_length=64, context_length=128, head_count=4, head_count_kv=2,
+    key_length=32, value_length=32, rms_eps=1e-6, rope_base=1000000.0,
+    expert_count=8, expert_used_count=2, expert_feed_forward_length=32,
+)
+GPT_OSS = dict(
+    # Layer 0 slides (window 4), layer 1 is global; YaRN over an original context of 32.
+    block_count=2, embedding_length=64, context_length=256, head_count=4, head_count_kv=2,
+    key_length=16, value_length=16, sliding_window=4, rms_eps=1e-5, rope_base=150000.0,
+    rope_scaling_type="yarn", rope_scaling_factor=8.0, rope_original_context=32,
+    expert_count=4, expert_used_count=2, expert_feed_forward_length=32,
+)
+DEEPSEEK2 = dict(
+    # MLA as the converter writes it (key/value lengths of the latent, the heads' in the _mla keys);
+    # block 0 dense, then sigmoid routing over 2 groups of 4 experts with a shared expert; YaRN.
+    block_count=3, embedding_length=64, feed_forward_length=96, context_length=256, head_count=4, head_count_kv=1,
+    q_lora_rank=32, kv_lora_rank=32, key_length=48, value_length=32, key_length_mla=32, value_length_mla=16,
+    rope_dims=16, rms_eps=1e-6, rope_base=10000.0, rope_scaling_type="yarn", rope_scaling_factor=4.0,
+    rope_original_context=32, rope_yarn_log_mul=0.1, leading_dense_block_count=1,
+    expert_count=8, expert_used_count=2, expert_feed_forward_length=32, expert_shared_count=1,
+    expert_gating_func=2, expert_group_count=2, expert_group_used_count=1, expert_weights_norm=True,
+    expert_weights_scale=2.5,
 )
 GPT2 = dict(
     block_count=2, embedding_length=64, feed_forward_length=256, context_length=64,
@@ -335,6 +378,156 @@ def write_tiny_gemma3(
     return _write(path, architecture, cfg, t, types, drop)
 
 
+def _experts(t: _Tensors, p: str, cfg: dict[str, Any], ff: int, biases: bool = False) -> None:
+    """A router and SwiGLU expert stacks [experts, out, in] under `p`."""
+    d, n = cfg["embedding_length"], cfg["expert_count"]
+    t.weight(p + "ffn_gate_inp.weight", (n, d), std=0.3)
+    t.weight(p + "ffn_gate_exps.weight", (n, ff, d))
+    t.weight(p + "ffn_up_exps.weight", (n, ff, d))
+    t.weight(p + "ffn_down_exps.weight", (n, d, ff))
+    if biases:
+        t.bias(p + "ffn_gate_inp.bias", n)
+        t.arrays[p + "ffn_gate_exps.bias"] = t.rng.normal(0.0, 0.02, (n, ff)).astype(np.float32)
+        t.arrays[p + "ffn_up_exps.bias"] = t.rng.normal(0.0, 0.02, (n, ff)).astype(np.float32)
+        t.arrays[p + "ffn_down_exps.bias"] = t.rng.normal(0.0, 0.02, (n, d)).astype(np.float32)
+
+
+def write_tiny_mixtral(
+    path: str | os.PathLike,
+    *,
+    architecture: str = "llama",
+    drop: Iterable[str] = (),
+    tensor_types: dict[str, Q] | None = None,
+    seed: int = 0,
+    **overrides: Any,
+) -> str:
+    """A 2-block Mixtral (a llama file with 4 SwiGLU experts a block, 2 chosen) with Q4_0 and Q8_0 expert stacks."""
+    cfg = _config(MIXTRAL, overrides)
+    d, ff, kv = cfg["embedding_length"], cfg["feed_forward_length"], cfg["head_count_kv"]
+    head_dim = d // cfg["head_count"]
+    t = _Tensors(seed)
+    t.weight("token_embd.weight", (VOCAB_SIZE, d), std=0.1)
+    for i in range(cfg["block_count"]):
+        p = f"blk.{i}."
+        t.norm(p + "attn_norm.weight", d)
+        t.weight(p + "attn_q.weight", (d, d))
+        t.weight(p + "attn_k.weight", (kv * head_dim, d))
+        t.weight(p + "attn_v.weight", (kv * head_dim, d))
+        t.weight(p + "attn_output.weight", (d, d))
+        t.norm(p + "ffn_norm.weight", d)
+        _experts(t, p, cfg, ff)
+    t.norm("output_norm.weight", d)
+    types = {"blk.0.ffn_up_exps.weight": Q.Q4_0, "blk.1.ffn_down_exps.weight": Q.Q8_0, **(tensor_types or {})}
+    return _write(path, architecture, cfg, t, types, drop)
+
+
+def write_tiny_qwen3moe(
+    path: str | os.PathLike,
+    *,
+    architecture: str = "qwen3moe",
+    drop: Iterable[str] = (),
+    tensor_types: dict[str, Q] | None = None,
+    seed: int = 0,
+    **overrides: Any,
+) -> str:
+    """A 2-block Qwen 3 MoE (heads of 32 over hidden 64, q/k norms, 8 experts, 2 chosen) with Q4_0 and Q8_0 linears."""
+    cfg = _config(QWEN3MOE, overrides)
+    d, heads, kv, dk = cfg["embedding_length"], cfg["head_count"], cfg["head_count_kv"], cfg["key_length"]
+    t = _Tensors(seed)
+    t.weight("token_embd.weight", (VOCAB_SIZE, d), std=0.1)
+    for i in range(cfg["block_count"]):
+        p = f"blk.{i}."
+        t.norm(p + "attn_norm.weight", d)
+        t.weight(p + "attn_q.weight", (heads * dk, d))
+        t.weight(p + "attn_k.weight", (kv * dk, d))
+        t.weight(p + "attn_v.weight", (kv * dk, d))
+        t.norm(p + "attn_q_norm.weight", dk)
+        t.norm(p + "attn_k_norm.weight", dk)
+        t.weight(p + "attn_output.weight", (d, heads * dk))
+        t.norm(p + "ffn_norm.weight", d)
+        _experts(t, p, cfg, cfg["expert_feed_forward_length"])
+    t.norm("output_norm.weight", d)
+    t.weight("output.weight", (VOCAB_SIZE, d))
+    types = {"blk.0.attn_q.weight": Q.Q4_0, "blk.1.ffn_down_exps.weight": Q.Q8_0, **(tensor_types or {})}
+    return _write(path, architecture, cfg, t, types, drop)
+
+
+def write_tiny_gpt_oss(
+    path: str | os.PathLike,
+    *,
+    architecture: str = "gpt-oss",
+    drop: Iterable[str] = (),
+    tensor_types: dict[str, Q] | None = None,
+    seed: int = 0,
+    **overrides: Any,
+) -> str:
+    """A 2-block gpt-oss (sliding layer 0, sinks, biases everywhere, YaRN, 4 biased experts) with Q4_0 and Q8_0 linears."""
+    cfg = _config(GPT_OSS, overrides)
+    d, heads, kv, dk = cfg["embedding_length"], cfg["head_count"], cfg["head_count_kv"], cfg["key_length"]
+    t = _Tensors(seed)
+    t.weight("token_embd.weight", (VOCAB_SIZE, d), std=0.1)
+    for i in range(cfg["block_count"]):
+        p = f"blk.{i}."
+        t.norm(p + "attn_norm.weight", d)
+        for name, rows in (("attn_q", heads * dk), ("attn_k", kv * dk), ("attn_v", kv * dk)):
+            t.weight(p + name + ".weight", (rows, d))
+            t.bias(p + name + ".bias", rows)
+        t.weight(p + "attn_output.weight", (d, heads * dk))
+        t.bias(p + "attn_output.bias", d)
+        t.arrays[p + "attn_sinks.weight"] = t.rng.normal(0.0, 1.0, heads).astype(np.float32)
+        t.norm(p + "post_attention_norm.weight", d)
+        _experts(t, p, cfg, cfg["expert_feed_forward_length"], biases=True)
+    t.norm("output_norm.weight", d)
+    t.weight("output.weight", (VOCAB_SIZE, d))
+    types = {"blk.0.attn_q.weight": Q.Q4_0, "blk.0.ffn_down_exps.weight": Q.Q8_0, **(tensor_types or {})}
+    return _write(path, architecture, cfg, t, types, drop)
+
+
+def write_tiny_deepseek2(
+    path: str | os.PathLike,
+    *,
+    architecture: str = "deepseek2",
+    drop: Iterable[str] = (),
+    tensor_types: dict[str, Q] | None = None,
+    seed: int = 0,
+    **overrides: Any,
+) -> str:
+    """A 3-block DeepSeek V3 (MLA with low-rank q and split k_b/v_b, a dense block, then grouped sigmoid
+    routing with selection bias and a shared expert, YaRN) with Q4_0 and Q8_0 linears."""
+    cfg = _config(DEEPSEEK2, overrides)
+    d, heads, rank, rot = cfg["embedding_length"], cfg["head_count"], cfg["kv_lora_rank"], cfg["rope_dims"]
+    nope, dv, q_rank, ff = cfg["key_length_mla"] - rot, cfg["value_length_mla"], cfg["q_lora_rank"], cfg["expert_feed_forward_length"]
+    t = _Tensors(seed)
+    t.weight("token_embd.weight", (VOCAB_SIZE, d), std=0.1)
+    for i in range(cfg["block_count"]):
+        p = f"blk.{i}."
+        t.norm(p + "attn_norm.weight", d)
+        t.weight(p + "attn_q_a.weight", (q_rank, d))
+        t.norm(p + "attn_q_a_norm.weight", q_rank)
+        t.weight(p + "attn_q_b.weight", (heads * (nope + rot), q_rank), std=0.15)
+        t.weight(p + "attn_kv_a_mqa.weight", (rank + rot, d), std=0.15)
+        t.norm(p + "attn_kv_a_norm.weight", rank)
+        t.weight(p + "attn_k_b.weight", (heads, rank, nope), std=0.15)
+        t.weight(p + "attn_v_b.weight", (heads, dv, rank), std=0.15)
+        t.weight(p + "attn_output.weight", (d, heads * dv))
+        t.norm(p + "ffn_norm.weight", d)
+        if i < cfg["leading_dense_block_count"]:
+            t.weight(p + "ffn_gate.weight", (cfg["feed_forward_length"], d))
+            t.weight(p + "ffn_up.weight", (cfg["feed_forward_length"], d))
+            t.weight(p + "ffn_down.weight", (d, cfg["feed_forward_length"]))
+            continue
+        _experts(t, p, cfg, ff)
+        t.arrays[p + "exp_probs_b.bias"] = t.rng.normal(0.0, 0.05, cfg["expert_count"]).astype(np.float32)
+        shared = ff * cfg["expert_shared_count"]
+        t.weight(p + "ffn_gate_shexp.weight", (shared, d))
+        t.weight(p + "ffn_up_shexp.weight", (shared, d))
+        t.weight(p + "ffn_down_shexp.weight", (d, shared))
+    t.norm("output_norm.weight", d)
+    t.weight("output.weight", (VOCAB_SIZE, d))
+    types = {"blk.1.attn_q_b.weight": Q.Q4_0, "blk.2.ffn_down_exps.weight": Q.Q8_0, "blk.0.attn_v_b.weight": Q.Q8_0, **(tensor_types or {})}
+    return _write(path, architecture, cfg, t, types, drop)
+
+
 def write_tiny_gpt2(
     path: str | os.PathLike,
     *,
@@ -370,4 +563,12 @@ def write_tiny_gpt2(
     return _write(path, architecture, cfg, t, types, drop)
 
 
-WRITERS = {"llama": write_tiny_llama, "gemma3": write_tiny_gemma3, "gpt2": write_tiny_gpt2}
+WRITERS = {
+    "llama": write_tiny_llama,
+    "gemma3": write_tiny_gemma3,
+    "gpt2": write_tiny_gpt2,
+    "mixtral": write_tiny_mixtral,
+    "qwen3moe": write_tiny_qwen3moe,
+    "gpt-oss": write_tiny_gpt_oss,
+    "deepseek2": write_tiny_deepseek2,
+}
