@@ -490,10 +490,14 @@ def write_tiny_deepseek2(
     drop: Iterable[str] = (),
     tensor_types: dict[str, Q] | None = None,
     seed: int = 0,
+    fused_kv_b: bool = False,
     **overrides: Any,
 ) -> str:
     """A 3-block DeepSeek V3 (MLA with low-rank q and split k_b/v_b, a dense block, then grouped sigmoid
-    routing with selection bias and a shared expert, YaRN) with Q4_0 and Q8_0 linears."""
+    routing with selection bias and a shared expert, YaRN) with Q4_0 and Q8_0 linears.
+
+    `fused_kv_b`: the same weights as older converters wrote them, k_b and v_b in one `attn_kv_b`
+    with per-head key and value lengths."""
     cfg = _config(DEEPSEEK2, overrides)
     d, heads, rank, rot = cfg["embedding_length"], cfg["head_count"], cfg["kv_lora_rank"], cfg["rope_dims"]
     nope, dv, q_rank, ff = cfg["key_length_mla"] - rot, cfg["value_length_mla"], cfg["q_lora_rank"], cfg["expert_feed_forward_length"]
@@ -524,7 +528,14 @@ def write_tiny_deepseek2(
         t.weight(p + "ffn_down_shexp.weight", (d, shared))
     t.norm("output_norm.weight", d)
     t.weight("output.weight", (VOCAB_SIZE, d))
-    types = {"blk.1.attn_q_b.weight": Q.Q4_0, "blk.2.ffn_down_exps.weight": Q.Q8_0, "blk.0.attn_v_b.weight": Q.Q8_0, **(tensor_types or {})}
+    types = {"blk.1.attn_q_b.weight": Q.Q4_0, "blk.2.ffn_down_exps.weight": Q.Q8_0, **(tensor_types or {})}
+    if fused_kv_b:
+        for i in range(cfg["block_count"]):
+            k_b, v_b = t.arrays.pop(f"blk.{i}.attn_k_b.weight"), t.arrays.pop(f"blk.{i}.attn_v_b.weight")
+            t.arrays[f"blk.{i}.attn_kv_b.weight"] = np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1).reshape(-1, rank)
+        cfg.update(head_count_kv=heads, key_length=cfg.pop("key_length_mla"), value_length=cfg.pop("value_length_mla"))
+    else:
+        types.setdefault("blk.0.attn_v_b.weight", Q.Q8_0)
     return _write(path, architecture, cfg, t, types, drop)
 
 
