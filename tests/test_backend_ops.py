@@ -264,6 +264,19 @@ def test_stacked_linear_gives_a_sequence_the_same_bits_alone_and_batched():
     assert torch.equal(product(np.concatenate([other_x, alone_x]), [1] * 5 + [0])[5:], product(alone_x, [0]))
 
 
+@pytest.mark.parametrize("layout", ["dense", "int8"])
+def test_expert_linear_of_a_lone_row_has_the_bits_it_has_among_other_sequences_rows(layout):
+    experts, _ = expert_stack(layout)
+    rng = np.random.default_rng(13)
+    x, ids = rng.standard_normal((3, IN), dtype=np.float32), np.array([[2, 5], [5, 0], [1, 2]])
+    batch = Batch(np.zeros(3, np.int64), np.arange(3, dtype=np.int64), np.array([0, 1, 2]), np.arange(3, dtype=np.int64))
+    together = run_ops(lambda ctx: ctx.expert_linear(constant(ctx, x), experts, ctx.input(ids)), batch)
+    for row in range(3):
+        lone = Batch.single([0], seq=row)
+        alone = run_ops(lambda ctx: ctx.expert_linear(constant(ctx, x[row : row + 1]), experts, ctx.input(ids[row : row + 1])), lone)
+        assert torch.equal(alone[0], together[row])
+
+
 def test_keep_only_fills_every_entry_not_named():
     x = torch.tensor([[1.0, 2.0, 3.0, 4.0], [5.0, 6.0, 7.0, 8.0]])
     out = run_ops(lambda ctx: ctx.keep_only(constant(ctx, x), ctx.input(np.array([[3, 0], [1, 1]])), fill=-1.0))

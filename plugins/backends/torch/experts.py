@@ -41,6 +41,8 @@ class ExpertWeights:
         row) or [n, k, in] (each slot its own input); `bias` [experts, out] added per expert."""
         rows, slots = ids.shape
         chosen = ids.cpu()
+        if rows == 1:
+            return self._one_row(x, chosen[0].tolist(), bias)
         out = torch.empty((rows, slots, self.out_features), dtype=torch.float32, device=x.device)
         sequence_of = _sequence_of_rows(runs, rows)
         for expert in torch.unique(chosen).tolist():
@@ -52,6 +54,14 @@ class ExpertWeights:
             out[at_rows.to(x.device), at_slots.to(x.device)] = y.float()
         return out
 
+    def _one_row(self, x: torch.Tensor, chosen: list[int], bias: torch.Tensor | None) -> torch.Tensor:
+        """A batch of one row (a lone decode step): each slot's expert straight on it, the same
+        products as the general path's, without grouping rows by expert (a third of such a step's time)."""
+        outputs = []
+        for slot, expert in enumerate(chosen):
+            y = self.experts[expert].matmul(x[0:1] if x.dim() == 2 else x[0:1, slot], [(0, 1)])
+            outputs.append((y if bias is None else y + bias[expert]).float())
+        return torch.stack(outputs, dim=1)
 
     def matmul_each(self, x: torch.Tensor, runs: Sequence[tuple[int, int]] | None) -> torch.Tensor:
         """[n, k, out]: slot j of x [n, k, in] through expert j, every expert over all rows (per-head
