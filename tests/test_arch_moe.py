@@ -1,14 +1,14 @@
 """What the mixture-of-experts architectures (Mixtral's llama files, qwen3moe, gpt-oss, deepseek2)
 promise beyond the conformance suite: a sequence's logits have the same bits alone and batched,
-DeepSeek's latent attention caches the latent and equals its decompressed form, and gpt-oss's
-even layers see only their window."""
+DeepSeek's latent attention caches the latent and equals its decompressed form, gpt-oss's even
+layers see only their window and its MXFP4 experts give their dequantized weights' logits."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 from test_conformance import TOKENS, load_tiny
-from tiny_gguf import Q, write_tiny_deepseek2, write_tiny_gpt_oss, write_tiny_mixtral, write_tiny_qwen3moe
+from tiny_gguf import Q, write_dequantized_copy, write_tiny_deepseek2, write_tiny_gpt_oss, write_tiny_mixtral, write_tiny_qwen3moe
 
 from corral.kvcache import CausalCache
 from corral.model import Batch, CacheLayer
@@ -85,3 +85,18 @@ def test_gpt_oss_even_layers_hide_keys_older_than_the_window(tmp_path, precision
     windowed, full = sliding.run(batch), unbounded.run(batch)
     sliding.assert_close(windowed[:window], full[:window])
     assert np.abs(windowed[window:] - full[window:]).max(axis=-1).min() > 0.01 * np.abs(full).max()
+
+
+@pytest.mark.parametrize("precision", ["auto", "fp32"])
+def test_gpt_oss_with_mxfp4_experts_gives_the_logits_of_its_dequantized_weights(tmp_path, precision):
+    # gpt-oss's files keep every expert stack in MXFP4
+    experts = {f"blk.{i}.ffn_{p}_exps.weight": Q.MXFP4 for i in range(2) for p in ("gate", "up", "down")}
+    path = write_tiny_gpt_oss(tmp_path / "mxfp4.gguf", tensor_types=experts)
+    reference = load_tiny(write_dequantized_copy(path, tmp_path / "f32.gguf"), "gpt-oss", "fp32")
+    tiny = load_tiny(path, "gpt-oss", precision)
+    batch = Batch.single(TOKENS, all_logits=True)
+    expected = reference.run(batch)
+    if precision == "fp32":
+        assert np.array_equal(tiny.run(batch), expected)
+    else:  # int8 experts under bf16 activations: test_quant_types.py's bound for MXFP4 linears
+        np.testing.assert_allclose(tiny.run(batch), expected, rtol=0, atol=5e-2 * np.abs(expected).max())
