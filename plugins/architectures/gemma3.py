@@ -6,15 +6,14 @@ The file's norm weights already include Gemma's `1 +`, so they are used as store
 
 from __future__ import annotations
 
-import importlib.resources
 import math
 
 import attrs
 
 from corral.decoder import DecoderConfig, DecoderModel
 from corral.hookspecs import hookimpl
-from corral.model import gguf_key, module, tensor
-from corral.nn import Attention, GatedMLP, RMSNorm
+from corral.model import gguf_key
+from corral.plugins.architectures.gemma2 import Gemma2Block, Gemma2Model
 
 SLIDING_PATTERN = 6  # layers i with i % 6 < 5 are sliding-window layers
 LOCAL_ROPE_BASE = 10000.0
@@ -36,32 +35,14 @@ class Gemma3Config(DecoderConfig):
 
 
 @attrs.frozen
-class Gemma3Block:
-    attn_norm: RMSNorm = tensor("attn_norm", RMSNorm)
-    attn: Attention = module(Attention, "attn_{}")
-    post_attention_norm: RMSNorm = tensor("post_attention_norm", RMSNorm)
-    ffn_norm: RMSNorm = tensor("ffn_norm", RMSNorm)
-    ffn: GatedMLP = module(GatedMLP, "ffn_{}")
-    post_ffw_norm: RMSNorm = tensor("post_ffw_norm", RMSNorm)
-
-    def __call__(self, ctx, x, positions, cache, layer: int, model: Gemma3Model):
-        eps = model.config.rms_eps
-        attn = self.attn(ctx, self.attn_norm(ctx, x, eps), positions, cache, layer, model.attention_options(layer))
-        x = x + self.post_attention_norm(ctx, attn, eps)
-        ffn = self.ffn(ctx, self.ffn_norm(ctx, x, eps), activation="gelu")
-        return x + self.post_ffw_norm(ctx, ffn, eps)
-
-
-@attrs.frozen
 class Gemma3Model(DecoderModel):
     architecture = "gemma3"
     Config = Gemma3Config
-    Block = Gemma3Block
+    Block = Gemma2Block  # the same pre- and post-normed block; its attention binds the q/k norms Gemma 3 adds
 
     @classmethod
     def default_chat_template(cls) -> str:
-        """Gemma's turns: the file carries no template."""
-        return (importlib.resources.files(__package__) / "templates" / "gemma.jinja").read_text(encoding="utf-8")
+        return Gemma2Model.default_chat_template()
 
     @classmethod
     def is_sliding(cls, cfg, layer: int) -> bool:
