@@ -20,6 +20,7 @@ import codecs
 import enum
 import functools
 import logging
+import os
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -29,6 +30,7 @@ from tokenizers import AddedToken, Regex, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from corral.errors import CorralError
+from corral.gguf import GGUFFile
 
 log = logging.getLogger(__name__)
 
@@ -298,6 +300,15 @@ class IncrementalDecoder:
     def flush(self) -> str:
         """Whatever is still held back, with U+FFFD for an unfinished character."""
         return self._utf8.decode(b"", final=True)
+
+
+def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
+    """The tokenizer of a GGUF file, which may hold a vocabulary only (no weights)."""
+    gguf = GGUFFile.open(path)
+    try:
+        return Tokenizer.from_gguf(gguf.metadata)
+    finally:
+        gguf.close()
 
 
 def adds_bos(metadata: dict[str, Any]) -> bool:
