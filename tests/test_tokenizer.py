@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 from conftest import reference_tokens
 
@@ -71,9 +69,11 @@ def test_decode_round_trips_reference_text(tokenizer_for, model, entry, parse_sp
     assert tokenizer.decode(ids) == entry["text"]
 
 
+# End of generation as llama.cpp finds it: EOS and the end-of-turn texts, which include smollm2's
+# <reponame> (4, fill-in-the-middle "repo") and gemma3's </s> (212).
 @pytest.mark.parametrize(
     ("model", "bos", "eos", "eog", "add_bos", "vocab_size"),
-    [("smollm2", 1, 2, {0, 2}, False, 49152), ("gemma3", 2, 1, {1, 106}, True, 262144)],
+    [("smollm2", 1, 2, {0, 2, 4}, False, 49152), ("gemma3", 2, 1, {1, 106, 212}, True, 262144)],
 )
 def test_special_token_properties_come_from_metadata(
     tokenizer_for, model, bos, eos, eog, add_bos, vocab_size
@@ -188,7 +188,7 @@ def test_sentencepiece_space_prefix_is_added_on_encode_and_dropped_on_decode():
 
 
 def byte_level_metadata(pre: str) -> dict:
-    from corral.tokenizer import _byte_decoder
+    from corral.tokenizer.codec import _byte_decoder
 
     tokens = [*_byte_decoder(), "<|end|>"]
     return {
@@ -201,15 +201,20 @@ def byte_level_metadata(pre: str) -> dict:
     }
 
 
-def test_unknown_pre_tokenizer_falls_back_to_gpt2_with_a_warning(caplog):
-    with caplog.at_level(logging.WARNING, logger="corral.tokenizer"):
-        tokenizer = Tokenizer.from_gguf(byte_level_metadata("no-such-pre"))
-    assert "no-such-pre" in caplog.text
+def test_unknown_pre_tokenizer_is_a_typed_error_naming_it():
+    with pytest.raises(TokenizerError, match="'no-such-pre'"):
+        Tokenizer.from_gguf(byte_level_metadata("no-such-pre"))
+
+
+def test_missing_pre_tokenizer_is_llama_cpp_default():
+    metadata = byte_level_metadata("default")
+    del metadata["tokenizer.ggml.pre"]
+    tokenizer = Tokenizer.from_gguf(metadata)
     assert tokenizer.encode("<|end|>") == [256]
     assert tokenizer.decode(tokenizer.encode("héllo <|end|>")) == "héllo <|end|>"
     assert tokenizer.eog_ids == frozenset({256})
 
 
 def test_unsupported_tokenizer_model_is_a_typed_error():
-    with pytest.raises(TokenizerError, match="'t5'"):
-        Tokenizer.from_gguf({"tokenizer.ggml.model": "t5", "tokenizer.ggml.tokens": ["a"]})
+    with pytest.raises(TokenizerError, match="'rwkv'"):
+        Tokenizer.from_gguf({"tokenizer.ggml.model": "rwkv", "tokenizer.ggml.tokens": ["a"]})
