@@ -75,9 +75,7 @@ def test_decode_round_trips_reference_text(tokenizer_for, model, entry, parse_sp
     ("model", "bos", "eos", "eog", "add_bos", "vocab_size"),
     [("smollm2", 1, 2, {0, 2, 4}, False, 49152), ("gemma3", 2, 1, {1, 106, 212}, True, 262144)],
 )
-def test_special_token_properties_come_from_metadata(
-    tokenizer_for, model, bos, eos, eog, add_bos, vocab_size
-):
+def test_special_token_properties_come_from_metadata(tokenizer_for, model, bos, eos, eog, add_bos, vocab_size):
     tokenizer = tokenizer_for(model)
     assert (tokenizer.bos_id, tokenizer.eos_id, tokenizer.eog_ids) == (bos, eos, frozenset(eog))
     assert (tokenizer.add_bos, tokenizer.vocab_size) == (add_bos, vocab_size)

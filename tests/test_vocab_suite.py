@@ -98,11 +98,7 @@ def test_every_case_encodes_to_llama_cpp_ids(tokenizer_of, llama_cpp_dir, name):
 def test_every_case_decodes_back_to_its_text(tokenizer_of, llama_cpp_dir, name):
     tokenizer = tokenizer_of(name)
     cases = read_cases(vocab_path(llama_cpp_dir, name))
-    mismatches = [
-        f"{text!r} decoded as {tokenizer.decode(ids)!r}"
-        for text, ids in cases.items()
-        if tokenizer.decode(ids) != text
-    ]
+    mismatches = [f"{text!r} decoded as {tokenizer.decode(ids)!r}" for text, ids in cases.items() if tokenizer.decode(ids) != text]
     assert not mismatches, first_mismatches(mismatches, len(cases))
 
 

@@ -56,4 +56,3 @@ def _merges(ids: dict[str, int], merges: Sequence[str]) -> list[tuple[str, str]]
     if dropped:
         log.warning("%d of the model file's %d BPE merges do not fit its vocabulary; ignoring them", dropped, len(merges))
     return pairs
-

@@ -67,9 +67,7 @@ class Tokenizer:
         # What encode(add_special=True) appends: EOS, or WordPiece's [SEP].
         self._end_id = vocab.special_id(metadata, "seperator", 102) if kind == "bert" else self._eos_id
         self._add_bos = adds_bos(metadata)
-        self._add_eos = self._end_id is not None and bool(
-            metadata.get("tokenizer.ggml.add_eos_token", _ADDS_EOS.get(kind, False))
-        )
+        self._add_eos = self._end_id is not None and bool(metadata.get("tokenizer.ggml.add_eos_token", _ADDS_EOS.get(kind, False)))
         self._eog_ids = frozenset(vocab.end_of_generation_ids(metadata))
         self._added = vocab.added_tokens()
         self._backend = self._new_backend(literal_special=False)
@@ -82,9 +80,7 @@ class Tokenizer:
         kind = metadata.get("tokenizer.ggml.model")
         build = MODELS.get(kind)
         if build is None:
-            raise TokenizerError(
-                f"tokenizer model '{kind}' is not supported; corral reads {', '.join(map(repr, MODELS))} tokenizers"
-            )
+            raise TokenizerError(f"tokenizer model '{kind}' is not supported; corral reads {', '.join(map(repr, MODELS))} tokenizers")
         vocab = Vocab.from_metadata(metadata)
         return cls(vocab, build(vocab, metadata), metadata)
 

@@ -34,8 +34,7 @@ def unigram(vocab: Vocab, metadata: dict[str, Any]) -> Pipeline:
     scores[(vocab.attrs & TokenAttr.USER_DEFINED) != 0] = 0.0
     scores[~searched] = scores[normal].min() if normal.any() else 0.0
     pieces = [
-        (text if searched[i] else _UNMATCHABLE.format(i), score)
-        for i, (text, score) in enumerate(zip(vocab.tokens, scores.tolist()))
+        (text if searched[i] else _UNMATCHABLE.format(i), score) for i, (text, score) in enumerate(zip(vocab.tokens, scores.tolist()))
     ]
     return Pipeline(
         models.Unigram(pieces, unk_id=unk_id, byte_fallback=False),

@@ -41,8 +41,6 @@ def wordpiece(vocab: Vocab, metadata: dict[str, Any]) -> Pipeline:
             max_input_chars_per_word=1 << 30,
             continuing_subword_prefix=CONTINUATION,
         ),
-        normalizer=normalizers.BertNormalizer(
-            clean_text=True, handle_chinese_chars=True, strip_accents=strip_accents, lowercase=lowercase
-        ),
+        normalizer=normalizers.BertNormalizer(clean_text=True, handle_chinese_chars=True, strip_accents=strip_accents, lowercase=lowercase),
         pre_tokenizer=pre_tokenizers.BertPreTokenizer(),
     )
