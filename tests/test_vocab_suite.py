@@ -109,3 +109,29 @@ def test_vocab_without_cases_loads_and_tokenizes(tokenizer_of, name):
     assert ids and all(0 <= i < tokenizer.vocab_size for i in ids)
     if name not in LOSSY_VOCABS:
         assert tokenizer.decode(ids) == SAMPLE_TEXT
+
+
+# Token attributes llama.cpp sets by model (the suite's texts never contain special tokens).
+
+
+def test_phi3_special_tokens_swallow_the_whitespace_after_them(tokenizer_of):
+    tokenizer = tokenizer_of("phi-3")
+    assert tokenizer.encode("<|user|>\n Hello") == tokenizer.encode("<|user|>Hello") == [1, 32010, 15043]
+
+
+def test_xlm_roberta_mask_swallows_the_whitespace_before_it(tokenizer_of):
+    tokenizer = tokenizer_of("nomic-bert-moe")
+    assert tokenizer.encode("a <mask>") == tokenizer.encode("a<mask>") == [0, 10, 250001, 2]
+
+
+def test_wordpiece_frames_text_in_cls_and_sep(tokenizer_of):
+    assert tokenizer_of("bert-bge").encode("hello") == [101, 7592, 102]
+
+
+@pytest.mark.parametrize(
+    ("name", "text"),
+    [("bert-bge", " hello world"), ("bert-bge", " naive cafe"), ("nomic-bert-moe", "Hello world"), ("nomic-bert-moe", "naïve café 日本語")],
+)
+def test_normalizing_vocab_decodes_text_in_its_normal_form_back(tokenizer_of, name, text):
+    tokenizer = tokenizer_of(name)
+    assert tokenizer.decode(tokenizer.encode(text, add_special=False)) == text

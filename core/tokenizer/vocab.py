@@ -11,7 +11,6 @@ decodes, so they are computed here once, the way llama.cpp computes them.
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
 from typing import Any
 
 import attrs
@@ -142,9 +141,8 @@ class Vocab:
 
     def added_tokens(self) -> list[AddedToken]:
         """Tokens matched in the raw text before the model runs; control and unknown ones are special."""
-        ids = np.flatnonzero(self.attrs & MATCHED_IN_TEXT).tolist()
-        # Longest first, as llama.cpp partitions the text (the backend then prefers the leftmost).
-        ids.sort(key=lambda i: -len(self.tokens[i]))
+        # llama.cpp cuts the longest tokens out first; the backend takes the leftmost longest match,
+        # which is the same but where two such tokens overlap.
         return [
             AddedToken(
                 self.tokens[i],
@@ -153,7 +151,7 @@ class Vocab:
                 lstrip=self.has(i, TokenAttr.LSTRIP),
                 rstrip=self.has(i, TokenAttr.RSTRIP),
             )
-            for i in ids
+            for i in np.flatnonzero(self.attrs & MATCHED_IN_TEXT).tolist()
         ]
 
     def end_of_generation_ids(self, metadata: dict[str, Any]) -> set[int]:
@@ -230,8 +228,3 @@ def _ends_messages_with_end(texts: set[str]) -> bool:
 def _has_normal_end_of_sentence(texts: set[str]) -> bool:
     # Gemma 4 and PLaMo 2 use </s> as ordinary text.
     return "</s>" in texts and bool(texts & {"<|tool_response>", "<|plamo:eos|>"})
-
-
-def byte_token_ids(tokens: Sequence[str]) -> dict[int, int]:
-    """``<0xNN>`` token id by byte value."""
-    return {int(t[3:5], 16): i for i, t in enumerate(tokens) if len(t) == 6 and t.startswith("<0x") and t[5] == ">"}
