@@ -264,6 +264,8 @@ def test_every_pre_tokenizer_cuts_text_into_words_that_join_back(name):
         ("falcon", "\n =", ["\n ", "="]),  # the GPT-2 regex runs on what the punctuation regex left
         ("deepseek-llm", "ab \ncd  ", ["ab", " ", "\n", "cd", "  "]),  # "\s+$" is the end of a piece
         ("deepseek-coder", "4 ½", ["4", " ", "½"]),
+        ("deepseek-coder", "中\u3000文", ["中", "\u3000", "文"]),  # a space outside ASCII is only \s
+        ("deepseek-llm", "\t \u30009", ["\t \u3000", "9"]),
         ("kimi-k2", "ab中文cd", ["ab", "中文", "cd"]),
         ("qwen35", "y'all", ["y", "'all"]),
         ("gemma4", "a b\n\nc", ["a b", "\n\n", "c"]),

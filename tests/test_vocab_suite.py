@@ -135,3 +135,17 @@ def test_wordpiece_frames_text_in_cls_and_sep(tokenizer_of):
 def test_normalizing_vocab_decodes_text_in_its_normal_form_back(tokenizer_of, name, text):
     tokenizer = tokenizer_of(name)
     assert tokenizer.decode(tokenizer.encode(text, add_special=False)) == text
+
+
+@pytest.mark.parametrize(("text", "decoded"), [("!!!!!!", "!!!!!!"), ("Hello, y'all! It's", " hello, y'all! it's")])
+def test_wordpiece_decode_drops_the_spaces_before_punctuation_as_llama_cpp_does(tokenizer_of, text, decoded):
+    tokenizer = tokenizer_of("bert-bge")
+    assert tokenizer.decode(tokenizer.encode(text, add_special=False)) == decoded
+
+
+def test_wordpiece_strips_accents_as_llama_cpp_does(tokenizer_of):
+    # Every mark goes (Devanagari's spacing vowel signs too), and a Hangul syllable keeps its
+    # leading consonant only: llama.cpp's ids, which differ from Hugging Face's here.
+    tokenizer = tokenizer_of("bert-bge")
+    assert tokenizer.encode("नमस्ते", add_special=False) == [1327, 29867, 29874, 29859]
+    assert tokenizer.encode("한국어", add_special=False) == [1469, 29991, 29999]

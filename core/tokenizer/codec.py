@@ -4,8 +4,11 @@ Encoding runs in a `tokenizers.Tokenizer` built once from the file: first the to
 out of the raw text (user-defined ones always, control ones only with ``parse_special``), then the
 tokenizer model's own normalizer, pre-tokenizer and model (bpe.py, spm.py, wordpiece.py,
 unigram.py). Decoding joins each token's bytes as llama.cpp's `token_to_piece` gives them; it does
-not undo Hugging Face's "clean up tokenization spaces", so text that BPE encodes decodes back to
-itself, and streaming (`IncrementalDecoder`) gives the same text as `decode`.
+not clean up spaces around punctuation as llama.cpp's `llama_detokenize` does for BPE, so text that
+BPE encodes decodes back to itself, and streaming (`IncrementalDecoder`) gives the same text as
+`decode`. WordPiece is the exception: its pieces are words with a space in front, so `decode`
+cleans them up as llama.cpp does (" hello , world" -> " hello, world"), and streaming gives the
+pieces, as llama.cpp's `token_to_piece` does.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import codecs
 import functools
 import os
+import re
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -124,7 +128,8 @@ class Tokenizer:
     def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
         """Text of token ids; bytes that are not valid UTF-8 become U+FFFD."""
         decoder = IncrementalDecoder(self, skip_special=skip_special)
-        return "".join(map(decoder.feed, ids)) + decoder.flush()
+        text = "".join(map(decoder.feed, ids)) + decoder.flush()
+        return _clean_spaces(text) if self._pipeline.clean_spaces else text
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes token `token_id` stands for (a control token's text, nothing for an unused one)."""
@@ -209,6 +214,13 @@ class IncrementalDecoder:
     def flush(self) -> str:
         """Whatever is still held back, with U+FFFD for an unfinished character."""
         return self._utf8.decode(b"", final=True)
+
+
+def _clean_spaces(text: str) -> str:
+    # llama.cpp's three passes, in order: " ," -> ",", " ' " -> "'", " 's" -> "'s" (and 'm 're 've).
+    text = re.sub(r" (?=[?!.,])", "", text)
+    text = text.replace(" ' ", "'")
+    return re.sub(r" (?='(?:[sm]|re|ve))", "", text)
 
 
 def load_tokenizer(path: str | os.PathLike) -> Tokenizer:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import attrs
-import numpy as np
 from tokenizers import models, normalizers, pre_tokenizers
 
 
@@ -18,5 +17,5 @@ class Pipeline:
     byte_level: bool = False
     # A space was put in front of the text on encode, so decoding drops the first one.
     add_space_prefix: bool = False
-    # Backend id -> GGUF id, for a model whose vocabulary had to be renamed or extended.
-    id_map: np.ndarray | None = None
+    # Decoding drops the spaces WordPiece puts before punctuation and contractions (" ," -> ",").
+    clean_spaces: bool = False

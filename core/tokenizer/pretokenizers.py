@@ -8,6 +8,8 @@ llama.cpp *runs* them, for the `tokenizers` (Oniguruma) engine:
   an expression with ``\\p{..}`` in it, so ``\\p{Lu}``, ``\\p{Ll}``, ... all mean ``\\p{L}`` there;
 * its ``$`` is the end of the piece (Oniguruma's is the end of a line): written ``\\z`` here;
 * its ``\\d`` is ASCII only: written ``[0-9]`` here;
+* it matches a space outside ASCII (U+3000, ...) only as ``\\s``, never by a character class that
+  lists it: such classes are written ``[...&&[^\\s]]`` here;
 * a few types run hand-written splitters (Kimi-K2, AFMoE digit groups), given here as the regex
   they implement.
 """
@@ -105,8 +107,8 @@ _DEEPSEEK_LETTERS = _ranges(
     (0x104B0, 0x104D3), (0x104D8, 0x104FB), (0x10C80, 0x10CB2), (0x10CC0, 0x10CF2), (0x118A0, 0x118DF),
     (0x1E900, 0x1E943),
 )  # fmt: skip
-_DEEPSEEK_PUNCT = "[!-/:-~" + _ranges((0xFF01, 0xFF0F), (0xFF1A, 0xFF5E), (0x2018, 0x201F), (0x3000, 0x3002)) + "]"
-_CJK_HANGUL = "[" + _ranges((0x4E00, 0x9FA5), (0x0800, 0x4E00), (0xAC00, 0xD7FF)) + "]+"
+_DEEPSEEK_PUNCT = "[!-/:-~" + _ranges((0xFF01, 0xFF0F), (0xFF1A, 0xFF5E), (0x2018, 0x201F), (0x3000, 0x3002)) + r"&&[^\s]]"
+_CJK_HANGUL = "[" + _ranges((0x4E00, 0x9FA5), (0x0800, 0x4E00), (0xAC00, 0xD7FF)) + r"&&[^\s]]+"
 _BLOOM = " ?[^(\\s|.,!?" + _ranges(0x2026, 0x3002, 0xFF0C, 0x3001, 0x0964, 0x06D4, 0x060C) + ")]+"
 _AFMOE_CJK = "[" + _ranges(
     (0x4E00, 0x9FFF), (0x3400, 0x4DBF), (0x8C48, 0xFAFF), (0x3040, 0x309F), (0x30A0, 0x30FF), (0xFF65, 0xFF9F),

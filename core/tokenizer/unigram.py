@@ -45,6 +45,9 @@ def unigram(vocab: Vocab, metadata: dict[str, Any]) -> Pipeline:
 
 def _normalizer_steps(metadata: dict[str, Any]) -> list[normalizers.Normalizer]:
     steps = []
+    # One known difference from llama.cpp (and SentencePiece): this normalizer maps a whole grapheme
+    # cluster by its first character, so a mapped character followed by a combining mark ("ﬁ" +
+    # U+0308) loses the mark. llama.cpp maps the longest prefix and goes on with the rest.
     charsmap = metadata.get("tokenizer.ggml.precompiled_charsmap")
     if charsmap is not None and len(charsmap):
         steps.append(normalizers.Precompiled((np.asarray(charsmap) & 0xFF).astype(np.uint8).tobytes()))

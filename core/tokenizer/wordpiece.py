@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tokenizers import models, normalizers, pre_tokenizers
+from tokenizers import Regex, models, normalizers, pre_tokenizers
 
 from corral.tokenizer.pipeline import Pipeline
 from corral.tokenizer.vocab import SPECIAL, SPIECE_SPACE, TokenizerError, Vocab
@@ -41,6 +41,28 @@ def wordpiece(vocab: Vocab, metadata: dict[str, Any]) -> Pipeline:
             max_input_chars_per_word=1 << 30,
             continuing_subword_prefix=CONTINUATION,
         ),
-        normalizer=normalizers.BertNormalizer(clean_text=True, handle_chinese_chars=True, strip_accents=strip_accents, lowercase=lowercase),
+        normalizer=_normalizer(lowercase, strip_accents),
         pre_tokenizer=pre_tokenizers.BertPreTokenizer(),
+        clean_spaces=True,
+    )
+
+
+def _normalizer(lowercase: bool, strip_accents: bool) -> normalizers.Normalizer:
+    if not strip_accents:
+        return normalizers.BertNormalizer(clean_text=True, handle_chinese_chars=True, strip_accents=False, lowercase=lowercase)
+    # llama.cpp strips accents its own way: each character becomes the first character of its
+    # canonical decomposition, then every mark (not only non-spacing ones) goes. A Hangul syllable
+    # so becomes its leading consonant: the 588 syllables of each consonant are one range.
+    hangul = [
+        normalizers.Replace(Regex(f"[\\x{{{first:X}}}-\\x{{{first + 587:X}}}]"), chr(0x1100 + lead))
+        for lead, first in enumerate(range(0xAC00, 0xD7A4, 588))
+    ]
+    return normalizers.Sequence(
+        [
+            normalizers.BertNormalizer(clean_text=True, handle_chinese_chars=True, strip_accents=False, lowercase=False),
+            *hangul,
+            normalizers.NFD(),
+            normalizers.Replace(Regex(r"\p{M}"), ""),
+            *([normalizers.Lowercase()] if lowercase else []),
+        ]
     )
