@@ -259,6 +259,8 @@ def test_every_pre_tokenizer_cuts_text_into_words_that_join_back(name):
     ("name", "text", "words"),
     [
         ("tiny_aya", "1234567", ["1", "234", "567"]),  # llama.cpp's digit-group splitter
+        # The splitter keeps a digit group with the text before it, so the space before NBSP is alone.
+        ("tiny_aya", "a \u00a09", ["a", " ", "\u00a0", "9"]),
         ("superbpe", "1234567", ["1", "234", "567"]),
         ("falcon", "3333", ["333", "3"]),
         ("falcon", "\n =", ["\n ", "="]),  # the GPT-2 regex runs on what the punctuation regex left

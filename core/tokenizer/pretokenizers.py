@@ -63,8 +63,9 @@ _JAIS2 = (
     + r"|\s{1,2}(?!\S)|\s{1}"
 )
 _NEWLINE_RUNS = r"[^\n]+|[\n]+"
-# Runs of digits cut into threes from the right ("1234567" -> "1", "234", "567").
-_DIGIT_GROUPS = r"\p{N}{1,3}(?=(?:\p{N}{3})*(?!\p{N}))"
+# llama.cpp's digit-group splitter: runs of digits cut into threes from the right, the first group
+# staying with the text before it ("ab12345" -> "ab12", "345").
+_DIGIT_GROUPS = r"\P{N}*\p{N}{1,3}(?=(?:\p{N}{3})*(?!\p{N}))"
 _ASCII_PUNCT_WORD = r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+"
 _KANA_HAN = "[" + _ranges((0x4E00, 0x9FA5), (0x3040, 0x309F), (0x30A0, 0x30FF)) + "]+"
 _DEEPSEEK3 = _ASCII_PUNCT_WORD + r"|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
