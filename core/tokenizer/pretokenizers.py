@@ -134,7 +134,8 @@ _CHATGLM = PreTokenizer((_LLAMA3,), has_bos=False)
 _GPT4O_PRE = PreTokenizer((_GPT4O,))
 _SPM_STYLE = PreTokenizer((_NEWLINE_RUNS,), byte_level=False, escape_whitespace=True)
 
-# Every `tokenizer.ggml.pre` value llama.cpp knows, grouped as llama.cpp groups them.
+# Every `tokenizer.ggml.pre` value llama.cpp knows, grouped as llama.cpp groups them; and "gpt2",
+# which corral's own tiny test files write (llama.cpp spells it "gpt-2").
 PRE_TOKENIZERS: dict[str, PreTokenizer] = {
     "default": _DEFAULT,
     "minicpm5": PreTokenizer((r"\p{N}{1,3}", _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}+|" + _TAIL),
@@ -157,7 +158,7 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
         ("starcoder", "refact", "command-r", "smollm", "codeshell", "exaone", "minerva-7b", "mellum2"), _STARCODER
     ),
     **dict.fromkeys(
-        ("gpt-2", "phi-2", "jina-es", "jina-de", "gigachat", "jina-v2-es", "jina-v2-de", "a.x-4.0", "mellum",
+        ("gpt-2", "gpt2", "phi-2", "jina-es", "jina-de", "gigachat", "jina-v2-es", "jina-v2-de", "a.x-4.0", "mellum",
          "modern-bert", "jina-v1-en", "jina-v2-code", "roberta-bpe", "mpt", "olmo", "jais", "exaone4", "trillion",
          "granite-docling"),
         _GPT2_PRE,
