@@ -2,7 +2,7 @@
 
 __version__ = "0.1.0"
 
-__all__ = ["LoadedModel", "Plugins", "Runtime", "load_model", "__version__"]
+__all__ = ["LoadedModel", "Plugins", "Runtime", "load_model", "load_tokenizer", "__version__"]
 
 
 def __getattr__(name: str):
@@ -11,6 +11,10 @@ def __getattr__(name: str):
         from corral import engine
 
         return getattr(engine, name)
+    if name == "load_tokenizer":
+        from corral.tokenizer import load_tokenizer
+
+        return load_tokenizer
     if name == "Runtime":
         from corral.runner.runtime import Runtime
 

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 from conftest import reference_tokens
 
 from corral.gguf import GGUFFile
 from corral.plugins.architectures.gemma3 import Gemma3Model
 from corral.template import ChatTemplate
-from corral.tokenizer import IncrementalDecoder, Tokenizer, TokenizerError
+from corral.tokenizer import PRE_TOKENIZERS, IncrementalDecoder, Tokenizer, TokenizerError
+from corral.tokenizer.codec import _byte_decoder
 
 MODELS = ("smollm2", "gemma3")
 MULTIBYTE_TEXTS = ["café naïve résumé", "🤷🏽‍♀️ ok 👍🏿", "日本語の文と한국어", "Ünïcödé ✓ ∑ 𝔘"]
@@ -71,13 +70,13 @@ def test_decode_round_trips_reference_text(tokenizer_for, model, entry, parse_sp
     assert tokenizer.decode(ids) == entry["text"]
 
 
+# End of generation as llama.cpp finds it: EOS and the end-of-turn texts, which include smollm2's
+# <reponame> (4, fill-in-the-middle "repo") and gemma3's </s> (212).
 @pytest.mark.parametrize(
     ("model", "bos", "eos", "eog", "add_bos", "vocab_size"),
-    [("smollm2", 1, 2, {0, 2}, False, 49152), ("gemma3", 2, 1, {1, 106}, True, 262144)],
+    [("smollm2", 1, 2, {0, 2, 4}, False, 49152), ("gemma3", 2, 1, {1, 106, 212}, True, 262144)],
 )
-def test_special_token_properties_come_from_metadata(
-    tokenizer_for, model, bos, eos, eog, add_bos, vocab_size
-):
+def test_special_token_properties_come_from_metadata(tokenizer_for, model, bos, eos, eog, add_bos, vocab_size):
     tokenizer = tokenizer_for(model)
     assert (tokenizer.bos_id, tokenizer.eos_id, tokenizer.eog_ids) == (bos, eos, frozenset(eog))
     assert (tokenizer.add_bos, tokenizer.vocab_size) == (add_bos, vocab_size)
@@ -137,6 +136,15 @@ def test_token_bytes_are_raw_bytes(tokenizer_for, model, text, expected):
     assert tokenizer.token_bytes(tokenizer.encode(text, add_special=False)[0]) == expected
 
 
+def test_gemma_end_of_sentence_is_parsed_only_as_special_text(tokenizer_for):
+    # gemma3's </s> is user-defined, but llama.cpp makes it a control (end-of-generation) token, so
+    # plain text does not parse it; <table>, also user-defined, is parsed from any text.
+    tokenizer = tokenizer_for("gemma3")
+    assert 212 in tokenizer.encode("a</s>b", parse_special=True)
+    assert 212 not in tokenizer.encode("a</s>b", parse_special=False)
+    assert 168 in tokenizer.encode("a<table>b", parse_special=False)
+
+
 def test_token_bytes_rejects_ids_outside_the_vocabulary(tokenizer_for):
     with pytest.raises(ValueError, match="outside the vocabulary"):
         tokenizer_for("smollm2").token_bytes(49152)
@@ -187,29 +195,87 @@ def test_sentencepiece_space_prefix_is_added_on_encode_and_dropped_on_decode():
     assert tokenizer.decode(ids[1:]) == "a a"
 
 
-def byte_level_metadata(pre: str) -> dict:
-    from corral.tokenizer import _byte_decoder
-
-    tokens = [*_byte_decoder(), "<|end|>"]
+def byte_level_metadata(pre: str, specials: tuple[str, ...] = ("<|end|>",)) -> dict:
+    """The 256 GPT-2 byte characters as tokens, no merges, then `specials` as control tokens."""
+    tokens = [*_byte_decoder(), *specials]
     return {
         "tokenizer.ggml.model": "gpt2",
         "tokenizer.ggml.pre": pre,
         "tokenizer.ggml.tokens": tokens,
-        "tokenizer.ggml.token_type": [1] * 256 + [3],
+        "tokenizer.ggml.token_type": [1] * 256 + [3] * len(specials),
         "tokenizer.ggml.merges": [],
         "tokenizer.ggml.eos_token_id": 256,
     }
 
 
-def test_unknown_pre_tokenizer_falls_back_to_gpt2_with_a_warning(caplog):
-    with caplog.at_level(logging.WARNING, logger="corral.tokenizer"):
-        tokenizer = Tokenizer.from_gguf(byte_level_metadata("no-such-pre"))
-    assert "no-such-pre" in caplog.text
+def test_unknown_pre_tokenizer_is_a_typed_error_naming_it():
+    with pytest.raises(TokenizerError, match="'no-such-pre'"):
+        Tokenizer.from_gguf(byte_level_metadata("no-such-pre"))
+
+
+def test_missing_pre_tokenizer_is_llama_cpp_default():
+    metadata = byte_level_metadata("default")
+    del metadata["tokenizer.ggml.pre"]
+    tokenizer = Tokenizer.from_gguf(metadata)
     assert tokenizer.encode("<|end|>") == [256]
     assert tokenizer.decode(tokenizer.encode("héllo <|end|>")) == "héllo <|end|>"
     assert tokenizer.eog_ids == frozenset({256})
 
 
 def test_unsupported_tokenizer_model_is_a_typed_error():
-    with pytest.raises(TokenizerError, match="'t5'"):
-        Tokenizer.from_gguf({"tokenizer.ggml.model": "t5", "tokenizer.ggml.tokens": ["a"]})
+    with pytest.raises(TokenizerError, match="'rwkv'"):
+        Tokenizer.from_gguf({"tokenizer.ggml.model": "rwkv", "tokenizer.ggml.tokens": ["a"]})
+
+
+def test_harmony_markers_are_always_parsed_and_end_does_not_end_generation():
+    # gpt-oss: llama.cpp renders and parses <|channel|> and <|end|> like user-defined tokens, and
+    # generation goes on after <|end|> (it stops at <|return|> and <|call|>).
+    specials = ("<|return|>", "<|channel|>", "<|end|>", "<|call|>")
+    tokenizer = Tokenizer.from_gguf(byte_level_metadata("gpt-4o", specials))
+    assert tokenizer.encode("<|channel|>x<|end|>", parse_special=False) == [257, _byte_id("x"), 258]
+    assert len(tokenizer.encode("<|return|>", parse_special=False)) == len("<|return|>")
+    assert tokenizer.eog_ids == frozenset({256, 259})
+    assert tokenizer.decode([257, 256], skip_special=True) == "<|channel|>"
+
+
+def _byte_id(char: str) -> int:
+    return list(_byte_decoder()).index(char)
+
+
+PRE_TOKENIZER_SAMPLE = "Hello, y'all! 3333333 ½ 日本語の文 ÄpFel  \n\n\t x\u00a0y  it's 😶\u200d🌫️ ..."
+
+
+@pytest.mark.parametrize("name", sorted(PRE_TOKENIZERS))
+def test_every_pre_tokenizer_cuts_text_into_words_that_join_back(name):
+    pre = PRE_TOKENIZERS[name]
+    words = [w for w, _ in pre.backend().pre_tokenize_str(PRE_TOKENIZER_SAMPLE)]
+    joined = "".join(words)
+    if pre.byte_level:
+        joined = bytes(map(_byte_decoder().__getitem__, joined)).decode()
+    assert len(words) > 1 and joined == PRE_TOKENIZER_SAMPLE
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "words"),
+    [
+        ("tiny_aya", "1234567", ["1", "234", "567"]),  # llama.cpp's digit-group splitter
+        # The splitter keeps a digit group with the text before it, so the space before NBSP is alone.
+        ("tiny_aya", "a \u00a09", ["a", " ", "\u00a0", "9"]),
+        ("superbpe", "1234567", ["1", "234", "567"]),
+        ("falcon", "3333", ["333", "3"]),
+        ("falcon", "\n =", ["\n ", "="]),  # the GPT-2 regex runs on what the punctuation regex left
+        ("deepseek-llm", "ab \ncd  ", ["ab", " ", "\n", "cd", "  "]),  # "\s+$" is the end of a piece
+        ("deepseek-coder", "4 ½", ["4", " ", "½"]),
+        ("deepseek-coder", "中\u3000文", ["中", "\u3000", "文"]),  # a space outside ASCII is only \s
+        ("deepseek-llm", "\t \u30009", ["\t \u3000", "9"]),
+        ("kimi-k2", "ab中文cd", ["ab", "中文", "cd"]),
+        ("qwen35", "y'all", ["y", "'all"]),
+        ("gemma4", "a b\n\nc", ["a b", "\n\n", "c"]),
+    ],
+)
+def test_pre_tokenizer_cuts_as_llama_cpp_does(name, text, words):
+    pre = PRE_TOKENIZERS[name]
+    got = [w for w, _ in pre.backend().pre_tokenize_str(text)]
+    if pre.byte_level:
+        got = [bytes(map(_byte_decoder().__getitem__, w)).decode() for w in got]
+    assert got == words
