@@ -192,6 +192,12 @@ SPECS: list[ReferenceSpec] = [
             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
         },
     ),
+    # Gemma 1's converter reads only a sentencepiece tokenizer.model, writes no rope_theta (every Gemma
+    # uses 10000) and no output (llama.cpp always ties it). Heads wider than hidden / heads, as Gemma 7B's.
+    spec("gemma", "gemma", "Gemma", tokenizer="spm", num_key_value_heads=4, head_dim=32),
+    # MQA, as Gemma 2B; narrow heads, three layers.
+    spec("gemma-mqa-narrow-head", "gemma", "Gemma", tokenizer="spm", num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=1, head_dim=8),
+    spec("gemma-gqa", "gemma", "Gemma", tokenizer="spm", head_dim=16, rms_norm_eps=1e-5),
     # Gemma 2's converter reads only a sentencepiece tokenizer.model.
     spec(
         "gemma2",
