@@ -227,7 +227,8 @@ class MoEOptions:
 @attrs.frozen
 class MoE:
     """A router over expert stacks (bound at the file's own names: `ffn_gate_inp`, `ffn_*_exps`,
-    `exp_probs_b`), and shared experts where the file has them (`ffn_*_shexp`)."""
+    `exp_probs_b`), and shared experts where the file has them (`ffn_*_shexp`, gated by
+    `ffn_gate_inp_shexp` where it has that)."""
 
     router: Linear = tensor("ffn_gate_inp", Linear)
     gate: Experts = tensor("ffn_gate_exps", Experts)
@@ -235,6 +236,8 @@ class MoE:
     down: Experts = tensor("ffn_down_exps", Experts)
     selection_bias: Vector = tensor("exp_probs_b", Vector, optional=True, suffix="bias")  # added to scores for choosing only
     shared: GatedMLP | None = module(GatedMLP, "ffn_{}_shexp", optional=True)
+    # Where present (Qwen 2 MoE), the shared experts' output is scaled per row by sigmoid(shared_gate(x)).
+    shared_gate: Linear = tensor("ffn_gate_inp_shexp", Linear, optional=True)
 
     def __call__(self, ctx: Any, x: Any, opt: MoEOptions) -> Any:
         weights, ids = self.route(ctx, x, opt)
@@ -245,7 +248,10 @@ class MoE:
         if opt.scale != 1.0:
             y = ctx.scale(y, opt.scale)
         if self.shared is not None:
-            y = y + self.shared(ctx, x, opt.activation)
+            shared = self.shared(ctx, x, opt.activation)
+            if self.shared_gate is not None:
+                shared = shared * ctx.sigmoid(ctx.reshape(self.shared_gate(ctx, x), (-1, 1)))
+            y = y + shared
         return y
 
     def route(self, ctx: Any, x: Any, opt: MoEOptions) -> tuple[Any, Any]:
