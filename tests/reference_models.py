@@ -274,6 +274,23 @@ SPECS: list[ReferenceSpec] = [
         tie_word_embeddings=True,
         **SMALL_MOE,
     ),
+    # Qwen 1.5 / 2 MoE: biased q, k, v; softmax routing without renormalisation (llama.cpp never
+    # renormalises qwen2moe; norm_topk_prob is false in every release); a shared expert scaled by sigmoid(gate).
+    spec("qwen2moe", "qwen2moe", "Qwen2Moe", num_experts=8, shared_expert_intermediate_size=48, **SMALL_MOE),
+    spec(
+        "qwen2moe-mqa-no-bias",
+        "qwen2moe",
+        "Qwen2Moe",
+        num_hidden_layers=3,
+        num_attention_heads=8,
+        num_key_value_heads=1,
+        qkv_bias=False,
+        num_experts=4,
+        num_experts_per_tok=1,
+        moe_intermediate_size=48,
+        shared_expert_intermediate_size=96,
+        rope_theta=1000000.0,
+    ),
     # --- phi3 -------------------------------------------------------------------------------------
     spec("phi3", "phi3", "Phi3", tokenizer="spm", num_key_value_heads=4, original_max_position_embeddings=256),
     spec(
