@@ -291,6 +291,21 @@ SPECS: list[ReferenceSpec] = [
         shared_expert_intermediate_size=96,
         rope_theta=1000000.0,
     ),
+    # OLMoE: q/k norms over all heads' features; softmax routing without renormalisation (norm_topk_prob
+    # false, as released; the converter writes no key for it).
+    spec("olmoe", "olmoe", "Olmoe", num_experts=8, num_experts_per_tok=2),
+    # MHA as released, three layers, top-3 of 4 experts, another rope_theta.
+    spec(
+        "olmoe-mha",
+        "olmoe",
+        "Olmoe",
+        num_hidden_layers=3,
+        num_key_value_heads=4,
+        num_experts=4,
+        num_experts_per_tok=3,
+        intermediate_size=48,
+        rope_theta=500000.0,
+    ),
     # --- phi3 -------------------------------------------------------------------------------------
     spec("phi3", "phi3", "Phi3", tokenizer="spm", num_key_value_heads=4, original_max_position_embeddings=256),
     spec(
