@@ -555,6 +555,30 @@ SPECS: list[ReferenceSpec] = [
         attention_multiplier=0.05,
         logits_scaling=2.0,
     ),
+    # Phi-2: the converter writes head_count_kv = head_count (Phi-2 has no GQA) and a rotary part of
+    # each head from partial_rotary_factor (0.5 here: 8 of 16 features); no rope_theta (always 10000).
+    spec("phi2", "phi2", "Phi", num_key_value_heads=4),
+    # 8 heads of 8, rotating 3/4 of each (6 features), three layers.
+    spec(
+        "phi2-rotary-3-4",
+        "phi2",
+        "Phi",
+        num_hidden_layers=3,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75},
+    ),
+    # Rotating whole heads, 2 heads of 32. (No tied variant: the converter then writes output.bias
+    # without output.weight, which llama.cpp refuses to load; every Phi-2 is untied.)
+    spec(
+        "phi2-full-rotary",
+        "phi2",
+        "Phi",
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        intermediate_size=256,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0},
+    ),
     spec("starcoder2", "starcoder2", "Starcoder2", use_bias=True, norm_epsilon=1e-5),
     spec("starcoder2-mqa-untied", "starcoder2", "Starcoder2", num_key_value_heads=1, tie_word_embeddings=False, rope_theta=100000.0),
     # Without biases on the projections and MLP (the LayerNorms keep theirs), heads wider than hidden / heads.
