@@ -579,6 +579,30 @@ SPECS: list[ReferenceSpec] = [
         intermediate_size=256,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0},
     ),
+    # StableLM 3B 4E1T / Zephyr: a quarter of each head rotates (transformers' default), no biases.
+    spec("stablelm", "stablelm", "StableLm"),
+    # StableLM 2 1.6B: biased q, k, v; MHA, half of each head rotating, tied output. (The converter
+    # writes no rope_theta: every StableLM uses 10000.)
+    spec(
+        "stablelm2-qkv-bias-tied",
+        "stablelm",
+        "StableLm",
+        num_key_value_heads=4,
+        use_qkv_bias=True,
+        tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+    ),
+    # StableLM 2 12B's attention and MLP in parallel from one norm, GQA 4:1. Not its per-head q/k
+    # LayerNorms (qk_layernorm): the converter stops on them ("Unprocessed norms").
+    spec(
+        "stablelm2-parallel",
+        "stablelm",
+        "StableLm",
+        num_hidden_layers=3,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        use_parallel_residual=True,
+    ),
     spec("starcoder2", "starcoder2", "Starcoder2", use_bias=True, norm_epsilon=1e-5),
     spec("starcoder2-mqa-untied", "starcoder2", "Starcoder2", num_key_value_heads=1, tie_word_embeddings=False, rope_theta=100000.0),
     # Without biases on the projections and MLP (the LayerNorms keep theirs), heads wider than hidden / heads.
