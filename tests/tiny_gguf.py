@@ -312,6 +312,16 @@ def write_tensors(writer: gguf.GGUFWriter, tensors: dict[str, tuple[np.ndarray, 
     writer.close()
 
 
+def _llama_attention(t: _Tensors, p: str, d: int, kv_width: int) -> None:
+    """A llama block's attention tensors and its ffn_norm, in the draw order both llama writers share."""
+    t.norm(p + "attn_norm.weight", d)
+    t.weight(p + "attn_q.weight", (d, d))
+    t.weight(p + "attn_k.weight", (kv_width, d))
+    t.weight(p + "attn_v.weight", (kv_width, d))
+    t.weight(p + "attn_output.weight", (d, d))
+    t.norm(p + "ffn_norm.weight", d)
+
+
 def write_tiny_llama(
     path: str | os.PathLike,
     *,
@@ -329,12 +339,7 @@ def write_tiny_llama(
     t.weight("token_embd.weight", (VOCAB_SIZE, d), std=0.1)
     for i in range(cfg["block_count"]):
         p = f"blk.{i}."
-        t.norm(p + "attn_norm.weight", d)
-        t.weight(p + "attn_q.weight", (d, d))
-        t.weight(p + "attn_k.weight", (kv * head_dim, d))
-        t.weight(p + "attn_v.weight", (kv * head_dim, d))
-        t.weight(p + "attn_output.weight", (d, d))
-        t.norm(p + "ffn_norm.weight", d)
+        _llama_attention(t, p, d, kv * head_dim)
         t.weight(p + "ffn_gate.weight", (ff, d))
         t.weight(p + "ffn_up.weight", (ff, d))
         t.weight(p + "ffn_down.weight", (d, ff))
@@ -409,12 +414,7 @@ def write_tiny_mixtral(
     t.weight("token_embd.weight", (VOCAB_SIZE, d), std=0.1)
     for i in range(cfg["block_count"]):
         p = f"blk.{i}."
-        t.norm(p + "attn_norm.weight", d)
-        t.weight(p + "attn_q.weight", (d, d))
-        t.weight(p + "attn_k.weight", (kv * head_dim, d))
-        t.weight(p + "attn_v.weight", (kv * head_dim, d))
-        t.weight(p + "attn_output.weight", (d, d))
-        t.norm(p + "ffn_norm.weight", d)
+        _llama_attention(t, p, d, kv * head_dim)
         _experts(t, p, cfg, ff)
     t.norm("output_norm.weight", d)
     types = {"blk.0.ffn_up_exps.weight": Q.Q4_0, "blk.1.ffn_down_exps.weight": Q.Q8_0, **(tensor_types or {})}
