@@ -70,9 +70,11 @@ async def test_a_constrained_row_leaves_the_other_rows_of_its_batch_unchanged(sm
         ("Invent a person.", {"temperature": 0, "num_predict": NUM_PREDICT}, PERSON),
         ("The capital of France is", {"temperature": 0.8, "seed": 5, "num_predict": 24}, None),
     ]
-    async with Runtime.open(smollm2_path, num_parallel=1, num_ctx=256) as rt:
-        alone = [(await complete(rt, prompt, opts, raw=True, format=fmt))[0] for prompt, opts, fmt in requests]
-        alone_steps = rt.batcher.stats.steps
+    alone, alone_steps = [], 0
+    for prompt, opts, fmt in requests:  # each in a fresh runtime: no prefix reused from the one before
+        async with Runtime.open(smollm2_path, num_parallel=1, num_ctx=256) as rt:
+            alone.append((await complete(rt, prompt, opts, raw=True, format=fmt))[0])
+            alone_steps += rt.batcher.stats.steps
     together = [""] * len(requests)
     async with Runtime.open(smollm2_path, num_parallel=2, num_ctx=256) as rt:
 

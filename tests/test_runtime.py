@@ -69,10 +69,16 @@ BATCH_PREDICT = {"smollm2": 24, "gemma3": 12}  # gemma3's 262k vocabulary makes 
 
 
 async def alone_and_together(path, options: list[dict]) -> tuple[list[str], list[str], int, int]:
-    """Each prompt's text run one at a time, then all at once in a fresh runtime; and the steps each took."""
-    async with Runtime.open(path, num_parallel=1, num_ctx=256, num_batch=NUM_BATCH) as rt:
-        alone = [(await complete(rt, prompt, opts, raw=True))[0] for prompt, opts in zip(PROMPTS, options)]
-        alone_steps = rt.batcher.stats.steps
+    """Each prompt's text run alone, then all at once in a fresh runtime; and the steps each took.
+
+    Each prompt runs alone in a runtime of its own: in a shared one, a prompt would reuse the cells
+    of its predecessor's prefix (the BOS token) and so be cut into other chunks than when batched,
+    which is prefix reuse, not batching (see core/runner/batching.py)."""
+    alone, alone_steps = [], 0
+    for prompt, opts in zip(PROMPTS, options):
+        async with Runtime.open(path, num_parallel=1, num_ctx=256, num_batch=NUM_BATCH) as rt:
+            alone.append((await complete(rt, prompt, opts, raw=True))[0])
+            alone_steps += rt.batcher.stats.steps
     together = [""] * len(PROMPTS)
     async with Runtime.open(path, num_parallel=len(PROMPTS), num_ctx=256, num_batch=NUM_BATCH) as rt:
 

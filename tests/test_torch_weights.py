@@ -372,21 +372,22 @@ def test_prompt_runs_attend_in_float32_the_same_alone_and_batched():
         assert (batched[seq] == expected).float().mean() > 0.98
 
 
-def decode_rows(lengths: dict[int, int], order: list[int]) -> dict[int, torch.Tensor]:
-    """Attention output of one decode row per sequence in `order`, each sequence holding `lengths[seq]` cells."""
+def decode_rows(lengths: dict[int, int], order: list[int], kv_heads: int = 2, dim: int = 8) -> dict[int, torch.Tensor]:
+    """Attention output of one decode row (4 query heads) per sequence in `order`, each sequence holding `lengths[seq]` cells."""
     from corral.model import CacheLayer
 
-    cache = CausalCache(TorchBackend("cpu"), [CacheLayer(kv_heads=2, key_dim=8, value_dim=8)], 4 * 64, num_seqs=4)
+    cache = CausalCache(TorchBackend("cpu"), [CacheLayer(kv_heads=kv_heads, key_dim=dim, value_dim=dim)], 4 * 64, num_seqs=4)
     for seq, length in lengths.items():
         view = cache.prepare(Batch(np.zeros(length, np.int64), np.arange(length), np.full(length, seq), np.array([length - 1])))
-        keys = randn(length, 2, 8, seed=seq)  # distinct cached keys and values per sequence
-        torch_attention.attention(randn(length, 4, 8, seed=50 + seq), keys, keys * 0.5, view, 0, 0.35)
+        keys, values = randn(length, kv_heads, dim, seed=seq), randn(length, kv_heads, dim, seed=10 + seq)  # distinct per sequence
+        torch_attention.attention(randn(length, 4, dim, seed=50 + seq), keys, values, view, 0, 0.35)
     seqs = np.array(order)
     positions = np.array([lengths[s] for s in order])
     view = cache.prepare(Batch(np.zeros(len(seqs), np.int64), positions, seqs, np.arange(len(seqs))))
-    q = torch.stack([randn(4, 8, seed=200 + s) for s in order])
-    k = torch.stack([randn(2, 8, seed=300 + s) for s in order])
-    out = torch_attention.attention(q, k, k * 2, view, 0, 0.35)
+    q = torch.stack([randn(4, dim, seed=200 + s) for s in order])
+    k = torch.stack([randn(kv_heads, dim, seed=300 + s) for s in order])
+    v = torch.stack([randn(kv_heads, dim, seed=400 + s) for s in order])
+    out = torch_attention.attention(q, k, v, view, 0, 0.35 / dim**0.5 * 8**0.5)
     return {int(s): out[i] for i, s in enumerate(seqs)}
 
 
@@ -403,6 +404,23 @@ def test_decode_rows_attend_the_same_batched_as_alone(lengths, order):
     for seq in order:
         alone = decode_rows({seq: lengths[seq]}, [seq])[seq]
         assert alone.shape == (32,) and torch.equal(batched[seq], alone), seq
+
+
+def test_decode_rows_of_a_single_kv_head_attend_the_same_batched_as_alone():
+    # One sequence over one kv head is a single work item for SDPA, which then lets MKL multithread
+    # its products (another summation order) unless the call is arranged as for two; Gemma 3 270M's
+    # shape, over many lengths (a mismatch needs particular values), on two threads or more.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(threads, 2))
+    try:
+        for length in range(1, 64):  # before the fix: lengths 19 and 20 differed
+            lengths = {0: length, 1: length, 2: length, 3: length}
+            batched = decode_rows(lengths, [0, 1, 2, 3], kv_heads=1, dim=256)
+            for seq in range(4):
+                alone = decode_rows({seq: length}, [seq], kv_heads=1, dim=256)[seq]
+                assert torch.equal(batched[seq], alone), (length, seq)
+    finally:
+        torch.set_num_threads(threads)
 
 
 # --- sequence_runs ----------------------------------------------------------------------------------

@@ -82,6 +82,12 @@ def plan_step(sequences: list[Sequence], budget: int) -> list[tuple[Sequence, in
     invariance). Decode tokens (one per running sequence, so at most num_parallel) ride on top of
     the budget: otherwise a full-size chunk would never fit beside them and a long prompt would
     wait for every other sequence to finish.
+
+    The chunks start where the cache stops serving the prompt: a prefix reused from a slot's
+    earlier sequence (even its BOS alone) shifts them, and the reused cells were computed in that
+    sequence's own chunks. A kernel's path depends on a run's length (layouts.py), so output after
+    reuse can differ from a cold start in the last bits, as in llama.cpp; batching alone never
+    changes it.
     """
     plan, left = [], budget
     runnable = [s for s in sequences if not s.finished and s.pending and not s.paused()]

@@ -179,7 +179,16 @@ def _sdpa(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask:
     batch, heads, rows, dim = queries.shape
     if not gqa or rows != 1:
         return F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa)
-    folded = queries.reshape(batch, keys.shape[1], heads // keys.shape[1], dim)
+    kv_heads = keys.shape[1]
+    folded = queries.reshape(batch, kv_heads, heads // kv_heads, dim)
+    if batch * kv_heads == 1:
+        # One (sequence, kv head) pair is a single work item: SDPA then runs it outside a parallel
+        # region, where MKL multithreads its products and sums in another order than the same item
+        # gets in a call of two or more (a sequence's decode batched with another's). Seen as lone
+        # decode rows of single-kv-head models (Gemma 3 270M) differing in the last bits from
+        # batched ones. The pair is passed twice, as views: every call then has two or more items.
+        out = F.scaled_dot_product_attention(folded.expand(2, -1, -1, -1), keys.expand(2, -1, -1, -1), values.expand(2, -1, -1, -1), attn_mask=mask, scale=scale)[:1]
+        return out.reshape(batch, heads, 1, values.shape[-1])
     out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask, scale=scale)
     return out.reshape(batch, heads, 1, values.shape[-1])
 
