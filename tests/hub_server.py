@@ -22,6 +22,7 @@ import json
 import re
 import threading
 import urllib.parse
+from collections.abc import Callable
 from pathlib import Path
 
 _RESOLVE = re.compile(r"/(?P<repo>[^/]+/[^/]+)/resolve/(?P<rev>[^/]+)/(?P<path>.+)")
@@ -30,11 +31,13 @@ _RANGE = re.compile(r"bytes=(\d+)-(\d*)")
 
 
 class HubServer:
-    """The Hub's model endpoints over `root`; `private` maps a repo id to the token that may read it."""
+    """The Hub's model endpoints over `root`; `private` maps a repo id to the token that may read it, `tamper`
+    a repo id to a function that rewrites its model info (a hostile or broken Hub)."""
 
-    def __init__(self, root: Path, private: dict[str, str] | None = None) -> None:
+    def __init__(self, root: Path, private: dict[str, str] | None = None, tamper: dict[str, Callable[[dict], None]] | None = None) -> None:
         self.root = Path(root)
         self.private = private or {}
+        self.tamper = tamper or {}
         self.requests: list[tuple[str, str]] = []
         self.authorizations: list[str] = []
         handler = type("Handler", (_Handler,), {"hub": self})
@@ -48,7 +51,8 @@ class HubServer:
 
     def downloads(self, name: str | None = None) -> int:
         """How many GETs of file contents the server answered (of files named `name`, if given)."""
-        return sum(1 for method, path in self.requests if method == "GET" and "/resolve/" in path and (name is None or path.endswith("/" + name)))
+        gets = [path for method, path in self.requests if method == "GET" and "/resolve/" in path]
+        return sum(1 for path in gets if name is None or path.endswith("/" + name))
 
     def __enter__(self) -> HubServer:
         self._thread.start()
@@ -83,8 +87,10 @@ class HubServer:
                 "blobId": hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest(),
                 "lfs": {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data), "pointerSize": 134},
             })  # fmt: skip
-        return {"_id": repo_id, "id": repo_id, "modelId": repo_id, "sha": self.commit(folder), "private": repo_id in self.private,
+        info = {"_id": repo_id, "id": repo_id, "modelId": repo_id, "sha": self.commit(folder), "private": repo_id in self.private,
                 "tags": ["gguf"], "siblings": siblings}  # fmt: skip
+        self.tamper.get(repo_id, lambda info: None)(info)
+        return info
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):

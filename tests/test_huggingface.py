@@ -26,7 +26,7 @@ from corral.distribution.huggingface import HubOfflineError, HubRepoNotFoundErro
 from corral.errors import InvalidModelNameError
 from corral.gguf import GGUFFile
 from corral.runner.runtime import Runtime
-from corral.store import Store
+from corral.store import DigestMismatchError, Store
 
 GREEDY = {"temperature": 0, "num_predict": 6}
 TOKEN = "hf_test_secret_token_0123456789"
@@ -39,7 +39,8 @@ def sha256(path: Path) -> str:
 def write_split(source: str, first_part: Path, tensors_per_part: int) -> list[Path]:
     """`source` rewritten by gguf-py's split writer as `<stem>-0000i-of-0000N.gguf` files (llama.cpp's layout)."""
     reader = gguf.GGUFReader(source)
-    writer = gguf.GGUFWriter(os.fspath(first_part), str(reader.fields["general.architecture"].contents()), split_max_tensors=tensors_per_part)
+    architecture = str(reader.fields["general.architecture"].contents())
+    writer = gguf.GGUFWriter(os.fspath(first_part), architecture, split_max_tensors=tensors_per_part)
     for key, field in reader.fields.items():
         if key.startswith("GGUF.") or key == "general.architecture":
             continue
@@ -74,6 +75,8 @@ def hub_root(tmp_path_factory) -> Path:
     repo("tiny/Only-GGUF", "only.IQ3_M.gguf")
     repo("tiny/No-GGUF", "README.md", "model.safetensors")
     repo("tiny/Private-GGUF", "Private-Q4_K_M.gguf")
+    repo("tiny/Hostile-GGUF", "Hostile-Q8_0.gguf")
+    repo("tiny/Lying-GGUF", "Lying-Q8_0.gguf")
     split = repo("tiny/Split-GGUF", "README.md")
     whole = write_tiny_llama(root / "split-source.gguf", seed=7)
     parts = write_split(whole, split / "Split-Q4_K_M.gguf", tensors_per_part=8)
@@ -81,10 +84,24 @@ def hub_root(tmp_path_factory) -> Path:
     return root
 
 
+def hostile_info(info: dict) -> None:
+    """Names that would climb out of a folder, and an LFS sha256 that is not one."""
+    (sibling,) = info["siblings"]
+    sibling["lfs"]["sha256"] = "../../../etc/passwd"
+    for name in ("../../escape-Q4_K_M.gguf", "/abs-Q4_K_M.gguf", "a\\..\\b-Q4_K_M.gguf", "sub//x-Q4_K_M.gguf"):
+        info["siblings"].append({"rfilename": name, "size": 1, "lfs": {"sha256": "0" * 64, "size": 1, "pointerSize": 134}})
+
+
+def lying_info(info: dict) -> None:
+    """A well-formed LFS sha256 that the file's bytes do not have."""
+    info["siblings"][0]["lfs"]["sha256"] = "ab" * 32
+
+
 @pytest.fixture
 def hub(hub_root, tmp_path, monkeypatch):
     """The local Hub, with HF_ENDPOINT at it and an empty HF cache of the test's own."""
-    with HubServer(hub_root, private={"tiny/Private-GGUF": TOKEN}) as server:
+    tamper = {"tiny/Hostile-GGUF": hostile_info, "tiny/Lying-GGUF": lying_info}
+    with HubServer(hub_root, private={"tiny/Private-GGUF": TOKEN}, tamper=tamper) as server:
         monkeypatch.setenv("HF_ENDPOINT", server.url)
         monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-cache"))
         monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))  # no token file of the developer's
@@ -215,7 +232,15 @@ def test_offline_with_a_warm_cache_pulls_without_asking_the_hub(hub, hub_root, t
     assert other.model_path("hf.co/tiny/tiny-gguf").read_bytes() == (hub_root / "tiny/Tiny-GGUF/Tiny-Q4_K_M.gguf").read_bytes()
 
 
-def test_offline_with_a_warm_cache_falls_back_like_online(hub, hub_root, tmp_path, store, monkeypatch):
+def test_offline_a_quant_not_in_the_cache_names_what_the_cache_has(hub, store, monkeypatch):
+    store.pull("hf.co/tiny/Tiny-GGUF:Q8_0")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    message = r"cache's copy of tiny/Tiny-GGUF \(HF_HUB_OFFLINE is set\) has no GGUF for quant 'F16'; available: Q8_0$"
+    with pytest.raises(QuantNotFoundError, match=message):
+        store.pull("hf.co/tiny/Tiny-GGUF:F16")
+
+
+def test_offline_a_cached_split_gguf_is_merged_again(hub, hub_root, tmp_path, store, monkeypatch):
     store.pull("hf.co/tiny/Split-GGUF")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     other = Store(tmp_path / "other-models")
@@ -242,6 +267,22 @@ def test_errors_are_clear_and_leave_the_store_as_it_was(hub, store, name, error,
     with pytest.raises(error, match=message):
         store.pull(name)
     assert contents(store) == before
+
+
+def test_hostile_file_names_and_digests_from_the_hub_never_become_paths(hub, hub_root, store, caplog):
+    store.pull("hf.co/tiny/Hostile-GGUF")  # the Q4_K_M names are unsafe and skipped: the Q8_0 is the default
+    expected = hub_root / "tiny/Hostile-GGUF/Hostile-Q8_0.gguf"
+    pulled = store.model_path("hf.co/tiny/hostile-gguf")
+    assert pulled.read_bytes() == expected.read_bytes() and pulled.name == "sha256-" + sha256(expected)[7:]
+    assert not any("escape" in path for _, path in hub.requests)
+    assert "unsafe name" in caplog.text
+
+
+def test_bytes_that_do_not_match_the_hubs_sha256_never_enter_the_store(hub, store):
+    with pytest.raises(DigestMismatchError, match="the Hub announced sha256:abab"):
+        store.pull("hf.co/tiny/Lying-GGUF")
+    assert hub.downloads() == 2  # the cached copy is fetched once more before giving up
+    assert not list(store.blobs_dir.iterdir())  # neither the blob nor a partial file
 
 
 def test_offline_with_a_cold_cache_says_so_without_asking_the_hub(hub, store, monkeypatch):

@@ -131,19 +131,21 @@ def parse_reference(name: str | ModelName) -> HubReference:
     return HubReference(f"{parts[1]}/{parts[2]}", tag if tag.lower() not in ("", "latest") else None, model_name)
 
 
-def choose_files(files: Iterable[RepoFile], tag: str | None, repo_id: str) -> list[RepoFile]:
-    """The file (or every part of the split set) the tag names, by the rule in the module docstring."""
+def choose_files(files: Iterable[RepoFile], tag: str | None, repo_id: str, offline: bool = False) -> list[RepoFile]:
+    """The file (or every part of the split set) the tag names, by the rule in the module docstring.
+
+    Offline, `files` are those of the cached snapshot, as llama.cpp does: the choice is among what is there.
+    """
+    where = f"the Hugging Face cache's copy of {repo_id} (HF_HUB_OFFLINE is set)" if offline else f"the Hugging Face repository {repo_id}"
     models = sorted((file for file in files if file.is_model), key=lambda file: file.path)
     if not models:
-        raise NoGGUFError(f"the Hugging Face repository {repo_id} has no GGUF model file")
+        raise NoGGUFError(f"{where} has no GGUF model file")
     firsts = [file for file in models if file.split is None or file.split[1] == 1]
     if tag is not None:
         by_name = [file for file in firsts if tag.lower() in (file.path.lower(), file.path.rsplit("/", 1)[-1].lower())]
         chosen = by_name or [file for file in firsts if file.quant == tag.upper()]
         if not chosen:
-            raise QuantNotFoundError(
-                f"the Hugging Face repository {repo_id} has no GGUF for quant {tag!r}; available: {_quants(firsts)}"
-            )
+            raise QuantNotFoundError(f"{where} has no GGUF for quant {tag!r}; available: {_quants(firsts)}")
     else:
         chosen = [file for quant in DEFAULT_QUANTS for file in firsts if file.quant == quant] or firsts
     return _split_set(chosen[0], models)
@@ -308,7 +310,7 @@ def pull(store: Store, name: str | ModelName, progress: Progress | None = None) 
     ref = parse_reference(name)
     settings = HubSettings.from_environment()
     report({"status": "pulling manifest"})
-    files = choose_files(list_files(ref, settings), ref.tag, ref.repo_id)
+    files = choose_files(list_files(ref, settings), ref.tag, ref.repo_id, settings.offline)
     present = _present_blobs(store)
     if len(files) == 1:
         digest = _single_into_store(store, ref, files[0], settings, report)
