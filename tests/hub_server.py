@@ -42,7 +42,7 @@ class HubServer:
         self.authorizations: list[str] = []
         handler = type("Handler", (_Handler,), {"hub": self})
         self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread = threading.Thread(target=self._server.serve_forever, args=(0.05,), daemon=True)
 
     @property
     def url(self) -> str:

@@ -10,6 +10,7 @@ import hashlib
 import logging
 import os
 import shutil
+import socket
 import tempfile
 from pathlib import Path
 
@@ -77,6 +78,7 @@ def hub_root(tmp_path_factory) -> Path:
     repo("tiny/Private-GGUF", "Private-Q4_K_M.gguf")
     repo("tiny/Hostile-GGUF", "Hostile-Q8_0.gguf")
     repo("tiny/Lying-GGUF", "Lying-Q8_0.gguf")
+    repo("tiny/BadSplit-GGUF", "Bad-Q4_K_M-00001-of-00002.gguf", "Bad-Q4_K_M-00002-of-00002.gguf")  # whole files, not parts
     split = repo("tiny/Split-GGUF", "README.md")
     whole = write_tiny_llama(root / "split-source.gguf", seed=7)
     parts = write_split(whole, split / "Split-Q4_K_M.gguf", tensors_per_part=8)
@@ -259,6 +261,7 @@ def test_offline_a_cached_split_gguf_is_merged_again(hub, hub_root, tmp_path, st
         ("hf.co/tiny/Tiny-GGUF:Q5_K_S", QuantNotFoundError, r"no GGUF for quant 'Q5_K_S'; available: F16, Q4_K_M, Q8_0$"),
         ("hf.co/tiny/Private-GGUF", HubRepoNotFoundError, "set HF_TOKEN"),
         ("hf.co/tiny", InvalidModelNameError, "use hf.co/<user>/<repo>"),
+        ("hf.co/tiny/BadSplit-GGUF", huggingface.HubPullError, "cannot be merged: Bad-Q4_K_M-00001-of-00002.gguf is not part of a split"),
     ],
 )
 def test_errors_are_clear_and_leave_the_store_as_it_was(hub, store, name, error, message):
@@ -293,7 +296,9 @@ def test_offline_with_a_cold_cache_says_so_without_asking_the_hub(hub, store, mo
 
 
 def test_an_unreachable_hub_is_a_pull_error(hub, store, monkeypatch):
-    hub.__exit__()
+    with socket.socket() as sock:  # a loopback port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{sock.getsockname()[1]}")
     with pytest.raises(huggingface.HubPullError, match="cannot reach the Hugging Face Hub for tiny/Tiny-GGUF"):
         store.pull("hf.co/tiny/Tiny-GGUF")
     assert contents(store) == set()
@@ -339,8 +344,6 @@ async def test_api_pull_errors_are_4xx(hub, tmp_path, nursery):
 
 
 def test_corral_pull_on_the_command_line(hub, tmp_path, monkeypatch):
-    import socket
-
     from click.testing import CliRunner
 
     from corral.cli import main

@@ -37,14 +37,16 @@ def merge_split(parts: Sequence[str | os.PathLike], out: str | os.PathLike, on_t
     tensors = [tensor for reader in readers for tensor in reader.tensors]
     for tensor in tensors:
         writer.add_tensor_info(tensor.name, tensor.data.shape, tensor.data.dtype, int(tensor.n_bytes), tensor.tensor_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
-    for tensor in tensors:
-        writer.write_tensor_data(tensor.data)
-        if on_tensor:
-            on_tensor(int(tensor.n_bytes))
-    writer.close()
+    try:
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        for tensor in tensors:
+            writer.write_tensor_data(tensor.data)
+            if on_tensor:
+                on_tensor(int(tensor.n_bytes))
+    finally:
+        writer.close()
 
 
 def _check_parts(readers: list[gguf.GGUFReader], names: list[str]) -> None:

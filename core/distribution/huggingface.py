@@ -297,7 +297,11 @@ def _hub_errors(ref: HubReference) -> Iterator[None]:
     except hub_errors.HfHubHTTPError as error:
         status = error.response.status_code if error.response is not None else "no"
         raise HubPullError(f"the Hugging Face Hub answered HTTP {status} for {repo}; try again later") from None
-    except Exception as error:  # noqa: BLE001 - connection errors of huggingface_hub's HTTP client, whichever it uses
+    except Exception as error:
+        # Connection errors come from huggingface_hub's HTTP client (httpx, or its fork httpx2 in 2.x), which
+        # corral does not import; anything else is a bug and stays what it is.
+        if not isinstance(error, OSError) and not type(error).__module__.startswith("httpx"):
+            raise
         raise HubPullError(f"cannot reach the Hugging Face Hub for {repo}: {type(error).__name__}; check HF_ENDPOINT") from error
 
 
@@ -386,8 +390,8 @@ def _split_into_store(store: Store, ref: HubReference, files: list[RepoFile], se
     try:
         try:
             merge_split(paths, temporary)
-        except (ValueError, KeyError) as error:  # gguf-py's reader on a file that is not a GGUF
-            raise GGUFError(f"the split files of {ref.repo_id} cannot be merged: {error}") from error
+        except (GGUFError, ValueError, KeyError) as error:  # ValueError, KeyError: gguf-py's reader on a file that is not a GGUF
+            raise HubPullError(f"the split files of {ref.repo_id} cannot be merged: {error}") from error
         return link_blob(store, temporary, None, report)
     finally:
         temporary.unlink(missing_ok=True)
