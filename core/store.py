@@ -541,7 +541,10 @@ def ensure_model(name_or_path: str | os.PathLike) -> Path:
     if path.is_file():
         return path
     text = os.fspath(name_or_path)
-    if isinstance(name_or_path, os.PathLike) or text.endswith(".gguf"):
+    from corral.distribution import huggingface
+
+    # `hf.co/<user>/<repo>:<file>.gguf` names a file in a Hub repository, not one on disk.
+    if isinstance(name_or_path, os.PathLike) or (text.endswith(".gguf") and not huggingface.is_hub_name(text)):
         raise ModelNotFoundError(f"model file '{text}' not found")
     store = default_store()
     try:

@@ -27,7 +27,7 @@ from corral.distribution.huggingface import HubOfflineError, HubRepoNotFoundErro
 from corral.errors import InvalidModelNameError
 from corral.gguf import GGUFFile
 from corral.runner.runtime import Runtime
-from corral.store import DigestMismatchError, Store
+from corral.store import DigestMismatchError, Store, ensure_model
 
 GREEDY = {"temperature": 0, "num_predict": 6}
 TOKEN = "hf_test_secret_token_0123456789"
@@ -314,6 +314,12 @@ def test_hf_token_reads_a_private_repo_and_is_never_logged(hub, hub_root, store,
     assert TOKEN not in caplog.text and TOKEN not in repr(events)
 
 
+def test_ensure_model_pulls_a_hub_name_whose_tag_is_a_file_name(hub, hub_root, tmp_path, monkeypatch):
+    monkeypatch.setenv("CORRAL_MODELS", str(tmp_path / "default-models"))
+    path = ensure_model("hf.co/tiny/Tiny-GGUF:Tiny-F16.gguf")
+    assert path.read_bytes() == (hub_root / "tiny/Tiny-GGUF/Tiny-F16.gguf").read_bytes()
+
+
 # ---- through the server and the CLI ---------------------------------------------------------------------
 
 
@@ -328,6 +334,11 @@ async def test_api_pull_with_the_ollama_client_streams_progress_and_lists_the_mo
     assert any(event.digest == digest and event.completed == event.total for event in events)
     names = [model.model for model in (await trio.to_thread.run_sync(client.list)).models]
     assert names == ["hf.co/tiny/tiny-gguf:q8_0"]
+    with pytest.raises(ollama.ResponseError, match="no Hugging Face repository tiny/Missing-GGUF"):
+        await trio.to_thread.run_sync(lambda: list(client.pull("hf.co/tiny/Missing-GGUF", stream=True)))
+    with pytest.raises(ollama.ResponseError, match="no Hugging Face repository") as missing:
+        await trio.to_thread.run_sync(client.pull, "hf.co/tiny/Missing-GGUF")
+    assert missing.value.status_code == 404
 
 
 async def test_api_pull_errors_are_4xx(hub, tmp_path, nursery):
