@@ -38,6 +38,7 @@ class HubServer:
         self.root = Path(root)
         self.private = private or {}
         self.tamper = tamper or {}
+        self._digests: dict[tuple[Path, int, int], tuple[str, str]] = {}
         self.requests: list[tuple[str, str]] = []
         self.authorizations: list[str] = []
         handler = type("Handler", (_Handler,), {"hub": self})
@@ -69,23 +70,34 @@ class HubServer:
         folder = self.root / repo_id
         return folder if ".." not in repo_id.split("/") and folder.is_dir() else None
 
+    def digests(self, path: Path) -> tuple[str, str]:
+        """(git blob sha1, sha256) of a file, remembered while its size and mtime stay the same."""
+        stat = path.stat()
+        key = (path, stat.st_size, stat.st_mtime_ns)
+        if key not in self._digests:
+            data = path.read_bytes()
+            self._digests[key] = (hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest(), hashlib.sha256(data).hexdigest())
+        return self._digests[key]
+
+    def files(self, folder: Path) -> list[Path]:
+        return sorted(path for path in folder.rglob("*") if path.is_file())
+
     def commit(self, folder: Path) -> str:
         """A 40-hex commit id that changes when any file does."""
         digest = hashlib.sha1()
-        for path in sorted(folder.rglob("*")):
-            if path.is_file():
-                digest.update(path.relative_to(folder).as_posix().encode() + b"\0" + path.read_bytes())
+        for path in self.files(folder):
+            digest.update(path.relative_to(folder).as_posix().encode() + b"\0" + self.digests(path)[1].encode())
         return digest.hexdigest()
 
     def model_info(self, repo_id: str, folder: Path) -> dict:
         siblings = []
-        for path in sorted(p for p in folder.rglob("*") if p.is_file()):
-            data = path.read_bytes()
+        for path in self.files(folder):
+            size, (blob_id, sha256) = path.stat().st_size, self.digests(path)
             siblings.append({
                 "rfilename": path.relative_to(folder).as_posix(),
-                "size": len(data),
-                "blobId": hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest(),
-                "lfs": {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data), "pointerSize": 134},
+                "size": size,
+                "blobId": blob_id,
+                "lfs": {"sha256": sha256, "size": size, "pointerSize": 134},
             })  # fmt: skip
         info = {"_id": repo_id, "id": repo_id, "modelId": repo_id, "sha": self.commit(folder), "private": repo_id in self.private,
                 "tags": ["gguf"], "siblings": siblings}  # fmt: skip
@@ -136,23 +148,23 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         file = folder / name
         if ".." in name.split("/") or not file.is_file():
             return self._error(404, "EntryNotFound", f"{name} does not exist", head)
-        data = file.read_bytes()
-        sha256 = hashlib.sha256(data).hexdigest()
+        data = file.read_bytes() if not head else b""
+        size, sha256 = file.stat().st_size, self.hub.digests(file)[1]
         headers = {
             "X-Repo-Commit": self.hub.commit(folder),
             "ETag": f'"{sha256}"',
             "X-Linked-Etag": f'"{sha256}"',
-            "X-Linked-Size": str(len(data)),
+            "X-Linked-Size": str(size),
             "Accept-Ranges": "bytes",
             "Content-Type": "application/octet-stream",
         }
         status, body = 200, data
         if (match := _RANGE.fullmatch(self.headers.get("Range", ""))) and not head:
             start = int(match[1])
-            end = int(match[2]) if match[2] else len(data) - 1
+            end = int(match[2]) if match[2] else size - 1
             status, body = 206, data[start : end + 1]
-            headers["Content-Range"] = f"bytes {start}-{end}/{len(data)}"
-        headers["Content-Length"] = str(len(body))
+            headers["Content-Range"] = f"bytes {start}-{end}/{size}"
+        headers["Content-Length"] = str(len(body) if not head else size)
         self._send(status, headers, body, head)
 
     def _error(self, status: int, code: str, message: str, head: bool) -> None:

@@ -199,7 +199,7 @@ def list_files(ref: HubReference, settings: HubSettings) -> list[RepoFile]:
     for sibling in info.siblings or ():
         if not sibling.rfilename.lower().endswith(".gguf"):
             continue
-        if not _REPO_PATH.fullmatch(sibling.rfilename) or ".." in sibling.rfilename.split("/"):
+        if not _REPO_PATH.fullmatch(sibling.rfilename) or {".", ".."} & set(sibling.rfilename.split("/")):
             log.warning("skipping a file with an unsafe name in %s: %r", ref.repo_id, sibling.rfilename)
             continue
         lfs = sibling.lfs
