@@ -32,12 +32,23 @@ _RANGE = re.compile(r"bytes=(\d+)-(\d*)")
 
 class HubServer:
     """The Hub's model endpoints over `root`; `private` maps a repo id to the token that may read it, `tamper`
-    a repo id to a function that rewrites its model info (a hostile or broken Hub)."""
+    a repo id to a function that rewrites its model info (a hostile or broken Hub); `gated` repos answer 403
+    GatedRepo; a file in `interrupt_once` sends half its bytes on its first GET and drops the connection."""
 
-    def __init__(self, root: Path, private: dict[str, str] | None = None, tamper: dict[str, Callable[[dict], None]] | None = None) -> None:
+    def __init__(
+        self,
+        root: Path,
+        private: dict[str, str] | None = None,
+        tamper: dict[str, Callable[[dict], None]] | None = None,
+        gated: frozenset[str] = frozenset(),
+        interrupt_once: frozenset[str] = frozenset(),
+    ) -> None:
         self.root = Path(root)
         self.private = private or {}
         self.tamper = tamper or {}
+        self.gated = gated
+        self.interrupt = set(interrupt_once)  # `<repo>/<path>` whose next whole GET breaks off halfway
+        self.ranges: list[str] = []
         self._digests: dict[tuple[Path, int, int], tuple[str, str]] = {}
         self.requests: list[tuple[str, str]] = []
         self.authorizations: list[str] = []
@@ -134,6 +145,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if folder is None or (token is not None and self.headers.get("Authorization") != f"Bearer {token}"):
             self._error(401 if token else 404, "RepoNotFound", "Repository not found", head)
             return None
+        if repo_id in self.hub.gated:
+            self._error(403, "GatedRepo", "Access to this model is restricted", head)
+            return None
         return folder
 
     def _model_info(self, repo_id: str, head: bool) -> None:
@@ -165,6 +179,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             status, body = 206, data[start : end + 1]
             headers["Content-Range"] = f"bytes {start}-{end}/{size}"
         headers["Content-Length"] = str(len(body) if not head else size)
+        self.hub.ranges.append(self.headers.get("Range", ""))
+        if not head and status == 200 and f"{repo_id}/{name}" in self.hub.interrupt:
+            self.hub.interrupt.discard(f"{repo_id}/{name}")
+            body, self.close_connection = body[: len(body) // 2], True  # Content-Length promises more
         self._send(status, headers, body, head)
 
     def _error(self, status: int, code: str, message: str, head: bool) -> None:

@@ -20,6 +20,7 @@ import ollama
 import pytest
 import trio
 from hub_server import HubServer
+from huggingface_hub import constants
 from tiny_gguf import write_tiny_llama
 
 from corral.distribution import huggingface
@@ -78,6 +79,8 @@ def hub_root(tmp_path_factory) -> Path:
     repo("tiny/Private-GGUF", "Private-Q4_K_M.gguf")
     repo("tiny/Hostile-GGUF", "Hostile-Q8_0.gguf")
     repo("tiny/Lying-GGUF", "Lying-Q8_0.gguf")
+    repo("tiny/Gated-GGUF", "Gated-Q4_K_M.gguf")
+    repo("tiny/Flaky-GGUF", "Flaky-Q4_K_M.gguf")
     repo("tiny/BadSplit-GGUF", "Bad-Q4_K_M-00001-of-00002.gguf", "Bad-Q4_K_M-00002-of-00002.gguf")  # whole files, not parts
     split = repo("tiny/Split-GGUF", "README.md")
     whole = write_tiny_llama(root / "split-source.gguf", seed=7)
@@ -103,7 +106,8 @@ def lying_info(info: dict) -> None:
 def hub(hub_root, tmp_path, monkeypatch):
     """The local Hub, with HF_ENDPOINT at it and an empty HF cache of the test's own."""
     tamper = {"tiny/Hostile-GGUF": hostile_info, "tiny/Lying-GGUF": lying_info}
-    with HubServer(hub_root, private={"tiny/Private-GGUF": TOKEN}, tamper=tamper) as server:
+    gated, flaky = frozenset({"tiny/Gated-GGUF"}), frozenset({"tiny/Flaky-GGUF/Flaky-Q4_K_M.gguf"})
+    with HubServer(hub_root, private={"tiny/Private-GGUF": TOKEN}, tamper=tamper, gated=gated, interrupt_once=flaky) as server:
         monkeypatch.setenv("HF_ENDPOINT", server.url)
         monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-cache"))
         monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))  # no token file of the developer's
@@ -184,6 +188,19 @@ async def test_a_split_gguf_is_merged_into_one_blob_that_loads_and_answers(hub, 
     assert final.eval_count == GREEDY["num_predict"] and text == expected_text
 
 
+def test_a_download_broken_off_halfway_resumes_with_a_range_request(hub, hub_root, store, monkeypatch):
+    # huggingface_hub writes (and resumes from) whole 10 MB chunks; the tiny file needs smaller ones.
+    monkeypatch.setattr(constants, "DOWNLOAD_CHUNK_SIZE", 1 << 14)
+    events = []
+    store.pull("hf.co/tiny/Flaky-GGUF", progress=events.append)
+    expected = hub_root / "tiny/Flaky-GGUF/Flaky-Q4_K_M.gguf"
+    size = expected.stat().st_size
+    assert store.model_path("hf.co/tiny/flaky-gguf").read_bytes() == expected.read_bytes()
+    assert hub.downloads() == 2 and hub.ranges[-1] == f"bytes={size // 2 // (1 << 14) * (1 << 14)}-"
+    completed = [event["completed"] for event in events if "completed" in event]
+    assert completed == sorted(completed) and completed[-1] == size  # one bar, never past the total
+
+
 # ---- the HF cache ---------------------------------------------------------------------------------------
 
 
@@ -261,6 +278,7 @@ def test_offline_a_cached_split_gguf_is_merged_again(hub, hub_root, tmp_path, st
         ("hf.co/tiny/Tiny-GGUF:Q5_K_S", QuantNotFoundError, r"no GGUF for quant 'Q5_K_S'; available: F16, Q4_K_M, Q8_0$"),
         ("hf.co/tiny/Private-GGUF", HubRepoNotFoundError, "set HF_TOKEN"),
         ("hf.co/tiny", InvalidModelNameError, "use hf.co/<user>/<repo>"),
+        ("hf.co/tiny/Gated-GGUF", HubRepoNotFoundError, "tiny/Gated-GGUF is gated: accept its terms on the Hub and set HF_TOKEN"),
         ("hf.co/tiny/BadSplit-GGUF", huggingface.HubPullError, "cannot be merged: Bad-Q4_K_M-00001-of-00002.gguf is not part of a split"),
     ],
 )
