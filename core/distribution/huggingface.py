@@ -42,7 +42,6 @@ from corral.store import MODEL_MEDIA_TYPE, DigestMismatchError, Manifest, ModelN
 
 log = logging.getLogger(__name__)
 
-HOSTS = ("hf.co", "huggingface.co")
 # llama.cpp's `-hf` order when no quant is named; after these, the repo's first model GGUF.
 DEFAULT_QUANTS = ("Q4_K_M", "Q8_0")
 # Files that are GGUF but not a model to run on their own.
@@ -109,12 +108,6 @@ class RepoFile:
     def is_model(self) -> bool:
         name = self.path.rsplit("/", 1)[-1].lower()
         return not any(word in name for word in _NOT_MODELS)
-
-
-def is_hub_name(name: str | ModelName) -> bool:
-    """Whether a model name points at the Hugging Face Hub (`hf.co/...` or `huggingface.co/...`)."""
-    host = str(name).split("/", 1)[0].lower()
-    return host in HOSTS
 
 
 def parse_reference(name: str | ModelName) -> HubReference:
