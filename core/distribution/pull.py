@@ -38,7 +38,6 @@ def pull_model(
     """Fetch `name` from its registry into `store`, reporting Ollama's pull progress dicts."""
     report = progress or (lambda event: None)
     repository = f"{name.namespace}/{name.model}"
-    report({"status": "pulling manifest"})
     with Registry(name.host, insecure=insecure) as registry:
         try:
             raw = registry.manifest(repository, name.tag)
@@ -46,6 +45,8 @@ def pull_model(
             if error.status == 404:
                 raise ModelNotFoundError(f"model '{name}' not found in the registry {name.host}") from None
             raise
+        # Reported once the manifest is in hand, so a name the registry lacks is one error line alone.
+        report({"status": "pulling manifest"})
         manifest = parse_remote_manifest(raw, name)
         blobs = _unique_blobs(manifest)
         downloads = [BlobDownload(store, layer, min_part_size) for layer in blobs if not store.has_blob(layer.digest)]
