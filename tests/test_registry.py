@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import socket
+import threading
 import uuid
 from pathlib import Path
 
@@ -170,6 +171,29 @@ def test_an_interrupted_pull_resumes_without_fetching_again_what_it_had(registry
     pulled = pull_model(target, through_proxy, insecure=True, min_part_size=manifest.model.size // 3, workers=3)
     assert proxy.blob_bytes == total - kept
     assert blob_files(target, pulled) == blob_files(source, manifest)
+    assert not list(target.blobs_dir.glob("*-partial*"))
+
+
+def test_two_pulls_of_one_model_at_once_both_succeed(registry, source, name, tmp_path):
+    renamed(source, name)
+    source.push(name, insecure=True)
+    target = Store(tmp_path / "target")
+    model = source.manifest(name).model
+    results, errors = [], []
+
+    def pull() -> None:
+        try:
+            results.append(pull_model(target, parse_name(name), insecure=True, min_part_size=model.size // 4, workers=4))
+        except Exception as error:  # noqa: BLE001 - the assertion below reports it
+            errors.append(error)
+
+    threads = [threading.Thread(target=pull) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == [] and len(results) == 2
+    assert target.blob_path(model.digest).read_bytes() == source.blob_path(model.digest).read_bytes()
     assert not list(target.blobs_dir.glob("*-partial*"))
 
 

@@ -21,7 +21,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import attrs
@@ -39,6 +39,20 @@ MIN_PART_SIZE = 100_000_000
 RETRIES = 3
 _CHUNK = 1 << 20
 _REPORT_EVERY = 0.2  # seconds between progress reports (and record writes)
+
+
+_blob_locks: dict[tuple[str, str], threading.Lock] = {}
+_blob_locks_guard = threading.Lock()
+
+
+@contextlib.contextmanager
+def exclusive_blob(store: Store, digest: str) -> Iterator[None]:
+    """Hold a blob's partial file alone: a second pull of it in this process waits, then finds it stored."""
+    key = (str(store.root.resolve()), digest)
+    with _blob_locks_guard:
+        lock = _blob_locks.setdefault(key, threading.Lock())
+    with lock:
+        yield
 
 
 class DownloadInterrupted(Exception):

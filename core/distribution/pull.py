@@ -10,12 +10,13 @@ store's blobs and manifests as they were; partial files stay for the next pull t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from corral.distribution.download import MAX_PARTS, MIN_PART_SIZE, BlobDownload
+from corral.distribution.download import MAX_PARTS, MIN_PART_SIZE, BlobDownload, exclusive_blob
 from corral.distribution.errors import NotEnoughSpaceError, UntrustedContentError
 from corral.distribution.oci import DOCKER_MANIFEST, OCI_MANIFEST, Registry, RegistryStatusError
 from corral.errors import InvalidModelNameError, ModelNotFoundError
@@ -38,35 +39,41 @@ def pull_model(
     """Fetch `name` from its registry into `store`, reporting Ollama's pull progress dicts."""
     report = progress or (lambda event: None)
     repository = f"{name.namespace}/{name.model}"
-    with Registry(name.host, insecure=insecure) as registry:
-        try:
-            raw = registry.manifest(repository, name.tag)
-        except RegistryStatusError as error:
-            if error.status == 404:
-                raise ModelNotFoundError(f"model '{name}' not found in the registry {name.host}") from None
-            raise
+    with Registry(name.host, insecure=insecure) as registry, contextlib.ExitStack() as held:
+        raw = _fetch_manifest(registry, repository, name)
         # Reported once the manifest is in hand, so a name the registry lacks is one error line alone.
         report({"status": "pulling manifest"})
-        manifest = parse_remote_manifest(raw, name)
-        blobs = _unique_blobs(manifest)
-        downloads = [BlobDownload(store, layer, min_part_size) for layer in blobs if not store.has_blob(layer.digest)]
-        _check_space(store, downloads)
-        pending = {download.layer.digest: download for download in downloads}
+        blobs = _unique_blobs(parse_remote_manifest(raw, name))
+        # Two pulls sharing a blob take turns with it (in digest order, so they cannot deadlock).
+        for layer in sorted(blobs, key=lambda layer: layer.digest):
+            if not store.has_blob(layer.digest):
+                held.enter_context(exclusive_blob(store, layer.digest))
+        downloads = {layer.digest: BlobDownload(store, layer, min_part_size) for layer in blobs if not store.has_blob(layer.digest)}
+        _check_space(store, list(downloads.values()))
         for layer in blobs:
-            download = pending.get(layer.digest)
+            download = downloads.get(layer.digest)
             if download is None:
                 report(layer_progress("pulling", layer, layer.size))
                 continue
             download.run(registry, repository, lambda completed, layer=layer: report(layer_progress("pulling", layer, completed)), workers)
-    report({"status": "verifying sha256 digest"})
-    for download in downloads:
-        download.verify()
-    for download in downloads:
-        download.commit()
-    report({"status": "writing manifest"})
-    stored = store.write_manifest_bytes(name, raw)
+        report({"status": "verifying sha256 digest"})
+        for download in downloads.values():
+            download.verify()
+        for download in downloads.values():
+            download.commit()
+        report({"status": "writing manifest"})
+        stored = store.write_manifest_bytes(name, raw)
     report({"status": "success"})
     return stored
+
+
+def _fetch_manifest(registry: Registry, repository: str, name: ModelName) -> bytes:
+    try:
+        return registry.manifest(repository, name.tag)
+    except RegistryStatusError as error:
+        if error.status == 404:
+            raise ModelNotFoundError(f"model '{name}' not found in the registry {name.host}") from None
+        raise
 
 
 def parse_remote_manifest(raw: bytes, name: ModelName) -> Manifest:
