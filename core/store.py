@@ -454,7 +454,9 @@ class Store:
         except (ModelNotFoundError, RegistryUnreachableError) as error:
             if names_host(name):
                 raise
-            # A short name that is neither packaged nor reachable: say what works offline.
+            # A short name that is neither packaged nor in the default registry (or it is unreachable): say what works offline.
+            if isinstance(error, ModelNotFoundError):
+                raise ModelNotFoundError(f"{error}; corral can also pull {', '.join(PACKAGED)} offline") from error
             message = f"model '{model_name}' not found; corral can pull {', '.join(PACKAGED)} offline ({error})"
             raise ModelNotFoundError(message) from error
 
