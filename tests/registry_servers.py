@@ -94,6 +94,7 @@ class CuttingProxy:
     def __init__(self, upstream: str):
         self.upstream = upstream
         self.budget: int | None = None
+        self.once = False
         self.blob_bytes = 0
         self.ranges: list[tuple[str, str]] = []  # (digest, Range header) of each blob GET
         self._lock = threading.Lock()
@@ -104,14 +105,17 @@ class CuttingProxy:
         self._server.shutdown()
         self._server.server_close()
 
-    def reset(self, budget: int | None = None) -> None:
+    def reset(self, budget: int | None = None, once: bool = False) -> None:
+        """Count afresh; cut blob answers after `budget` bytes (all of them, or only the first cut when `once`)."""
         with self._lock:
-            self.budget, self.blob_bytes, self.ranges = budget, 0, []
+            self.budget, self.once, self.blob_bytes, self.ranges = budget, once, 0, []
 
     def _allowance(self, wanted: int) -> int:
         with self._lock:
             allowed = wanted if self.budget is None else max(0, min(wanted, self.budget - self.blob_bytes))
             self.blob_bytes += allowed
+            if allowed < wanted and self.once:
+                self.budget = None
             return allowed
 
     def _handler(self):

@@ -168,10 +168,27 @@ def test_an_interrupted_pull_resumes_without_fetching_again_what_it_had(registry
 
     proxy.reset()
     total = sum(layer.size for layer in manifest.layers + (manifest.config,))
-    pulled = pull_model(target, through_proxy, insecure=True, min_part_size=manifest.model.size // 3, workers=3)
+    events = []
+    pulled = pull_model(target, through_proxy, events.append, insecure=True, min_part_size=manifest.model.size // 3, workers=3)
     assert proxy.blob_bytes == total - kept
+    model_events = [event for event in events if event.get("digest") == manifest.model.digest]
+    assert 0 < model_events[0]["completed"] <= kept and model_events[-1]["completed"] == manifest.model.size
     assert blob_files(target, pulled) == blob_files(source, manifest)
     assert not list(target.blobs_dir.glob("*-partial*"))
+
+
+def test_a_connection_cut_mid_part_is_retried_from_where_it_stopped(registry, proxy, source, name, tmp_path):
+    renamed(source, name)
+    source.push(name, insecure=True)
+    manifest = source.manifest(name)
+    through_proxy = parse_name(name.replace(registry.host, proxy.host))
+    cut = manifest.model.size // 2
+    proxy.reset(budget=cut, once=True)
+    target = Store(tmp_path / "target")
+    pulled = pull_model(target, through_proxy, insecure=True)
+    assert (manifest.model.digest, f"bytes={cut}-{manifest.model.size - 1}") in proxy.ranges
+    assert proxy.blob_bytes == sum(layer.size for layer in manifest.layers + (manifest.config,))
+    assert blob_files(target, pulled) == blob_files(source, manifest)
 
 
 def test_two_pulls_of_one_model_at_once_both_succeed(registry, source, name, tmp_path):

@@ -37,7 +37,6 @@ log = logging.getLogger(__name__)
 MAX_PARTS = 16
 MIN_PART_SIZE = 100_000_000
 RETRIES = 3
-_CHUNK = 1 << 20
 _REPORT_EVERY = 0.2  # seconds between progress reports (and record writes)
 
 
@@ -165,7 +164,8 @@ class BlobDownload:
             self._check_response(response, part)
             with open(self.path, "r+b") as file:
                 file.seek(part.position)
-                for chunk in response.iter_bytes(_CHUNK):
+                # Each piece as it arrives: a buffering iterator would lose what it held when the connection drops.
+                for chunk in response.iter_raw():
                     if self._cancel.is_set():
                         raise DownloadInterrupted()
                     room = part.end - part.position

@@ -93,7 +93,8 @@ class Registry:
     @contextlib.contextmanager
     def blob(self, repository: str, digest: str, start: int, end: int) -> Iterator[httpx.Response]:
         """The streamed response for bytes [start, end) of a blob (206, or 200 when the server ignores Range)."""
-        headers = {"Range": f"bytes={start}-{end - 1}"}
+        # Identity encoding: ranges and sizes are of the blob's own bytes, never of a compressed form.
+        headers = {"Range": f"bytes={start}-{end - 1}", "Accept-Encoding": "identity"}
         with self.send("GET", f"/v2/{repository}/blobs/{digest}", headers=headers, expect=(200, 206)) as response:
             yield response
 
