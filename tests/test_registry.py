@@ -258,7 +258,12 @@ def test_cli_push_then_pull_with_insecure(registry, source, name, no_server, mon
     source.delete(name)
     pulled = CliRunner().invoke(main, ["pull", "--insecure", name])
     assert pulled.exit_code == 0, pulled.output
-    assert "success" in pulled.output and source.manifest(name) is not None
+    assert source.manifest(name) is not None
+    # Ollama's order: the manifest line, a bar per layer, then the closing lines below the bars.
+    gguf_bar = f"pulling {source.manifest(name).model.digest[7:19]}"
+    lines = ["pulling manifest", gguf_bar, "verifying sha256 digest", "writing manifest", "success"]
+    positions = [pulled.output.find(line) for line in lines]
+    assert -1 not in positions and positions == sorted(positions), pulled.output
 
 
 def test_cli_pull_of_an_absent_model_is_one_clear_error(registry, no_server, monkeypatch, tmp_path):

@@ -91,7 +91,8 @@ class BlobDownload:
         stem = store.blob_path(layer.digest).name  # validated digest: sha256-<64 hex>
         self.path = store.blobs_dir / f"{stem}-partial"
         self.record_path = store.blobs_dir / f"{stem}-partial.json"
-        self.parts = self._resume() or plan_parts(layer.size, min_part_size)
+        self.parts = self._recorded_parts() or plan_parts(layer.size, min_part_size)
+        self.resumed = self.completed  # bytes an earlier pull left on disk
         self._cancel = threading.Event()
         self._lock = threading.Lock()
 
@@ -99,14 +100,8 @@ class BlobDownload:
     def completed(self) -> int:
         return sum(part.completed for part in self.parts)
 
-    @property
-    def resumed(self) -> int:
-        """Bytes already on disk when this download was opened."""
-        return self._resumed
-
-    def _resume(self) -> list[Part] | None:
+    def _recorded_parts(self) -> list[Part] | None:
         """The parts of a record left by an earlier pull, when it and the file match this layer."""
-        self._resumed = 0
         try:
             record = json.loads(self.record_path.read_text())
             parts = [Part(int(start), int(end), int(done)) for start, end, done in record["parts"]]
@@ -118,7 +113,6 @@ class BlobDownload:
         sane = all(0 <= p.completed <= p.end - p.start for p in parts) and contiguous
         if not (matches and on_disk and sane and parts and parts[0].start == 0 and parts[-1].end == self.layer.size):
             return None
-        self._resumed = sum(part.completed for part in parts)
         return parts
 
     def run(self, registry: Registry, repository: str, on_progress: Callable[[int], None], workers: int = MAX_PARTS) -> None:
