@@ -167,7 +167,10 @@ class FakeRegistry:
         self.ignore_range = False
         self.token: str | None = None
         self.token_status = 200
+        self.stall_at: int | None = None  # blob answers stop at this byte until `release` is set, then the connection drops
+        self.release = threading.Event()
         self.requests: list[str] = []
+        self.ranges: list[str] = []
         self.token_requests: list[dict] = []
         self._server = _serve_in_thread(self._handler())
         self.host = f"127.0.0.1:{self._server.server_address[1]}"
@@ -215,12 +218,29 @@ class FakeRegistry:
                     self.reply(404, b'{"errors":[{"code":"BLOB_UNKNOWN"}]}')
                     return
                 requested = self.headers.get("Range", "")
+                registry.ranges.append(requested)
                 if requested.startswith("bytes=") and not registry.ignore_range:
                     first, _, last = requested.removeprefix("bytes=").partition("-")
                     start, end = int(first), min(int(last) + 1, len(data))
-                    self.reply(206, data[start:end], {"Content-Range": f"bytes {start}-{end - 1}/{len(data)}"})
+                    self.reply(206, data[start:end], {"Content-Range": f"bytes {start}-{end - 1}/{len(data)}"}, start)
                 else:
-                    self.reply(200, data)
+                    self.reply(200, data, offset=0)
+
+            def reply(self, status: int, body: bytes, headers: dict | None = None, offset: int | None = None) -> None:
+                """Send an answer; a blob's (`offset`: where its body starts in the blob) may stall."""
+                self.send_response(status)
+                for key, value in (headers or {}).items():
+                    self.send_header(key, value)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                if registry.stall_at is None or offset is None:
+                    self.wfile.write(body)
+                    return
+                self.wfile.write(body[: max(0, registry.stall_at - offset)])
+                self.wfile.flush()
+                registry.release.wait(30)
+                self.close_connection = True
+                self.connection.shutdown(socket.SHUT_RDWR)
 
             def answer_token(self, query: str) -> None:
                 params = dict(httpx.QueryParams(query))
@@ -229,14 +249,6 @@ class FakeRegistry:
                     self.reply(registry.token_status, b'{"errors":[{"code":"DENIED"}]}')
                 else:
                     self.reply(200, json.dumps({"token": registry.token}).encode())
-
-            def reply(self, status: int, body: bytes, headers: dict | None = None) -> None:
-                self.send_response(status)
-                for key, value in (headers or {}).items():
-                    self.send_header(key, value)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
 
         return Handler
 

@@ -3,15 +3,18 @@ own (registry_servers.FakeRegistry, a real HTTP server) serves hostile manifests
 is refused with a clear error and the store left exactly as it was."""
 
 import functools
+import json
 import logging
 import os
 import shutil
 
+import httpx
 import ollama
 import pytest
 import trio
 from registry_servers import FakeRegistry, sha256
 
+from corral.distribution.download import exclusive_blob
 from corral.distribution.errors import NotEnoughSpaceError, RegistryAuthError, UntrustedContentError
 from corral.distribution.oci import MAX_MANIFEST_BYTES
 from corral.distribution.pull import pull_model
@@ -192,3 +195,29 @@ async def test_api_pull_streams_the_error_of_a_bad_blob_as_its_last_line(fake, t
     with pytest.raises(ollama.ResponseError, match="rejected: its bytes have digest"):
         await in_thread(drain)
     assert any(event.digest == sha256(GGUF) for event in events)
+
+
+async def test_a_client_gone_mid_pull_leaves_a_partial_that_the_next_pull_continues(fake, tiny_server, tmp_path):
+    store = Store(tmp_path / "models")  # the server's store
+    name = publish(fake, [layer(MODEL_MEDIA_TYPE, GGUF)])
+    fake.stall_at = len(GGUF) // 2
+    async with httpx.AsyncClient(base_url=tiny_server, timeout=30) as http:
+        async with http.stream("POST", "/api/pull", json={"model": name, "insecure": True}) as response:
+            async for line in response.aiter_lines():
+                event = json.loads(line)
+                if event.get("digest") == sha256(GGUF) and event["completed"] == len(GGUF) // 2:
+                    break  # and hang up
+    fake.release.set()
+
+    def wait_for_the_first_pull() -> None:
+        with exclusive_blob(store, sha256(GGUF)):
+            pass
+
+    await trio.to_thread.run_sync(wait_for_the_first_pull)
+    record = json.loads((store.blobs_dir / f"sha256-{sha256(GGUF)[7:]}-partial.json").read_text())
+    assert record["parts"] == [[0, len(GGUF), len(GGUF) // 2]] and store.manifest(name) is None
+    fake.stall_at, fake.ranges = None, []
+    final = await in_thread(ollama.Client(host=tiny_server).pull, name, insecure=True)
+    assert final.status == "success"
+    assert fake.ranges == [f"bytes={len(GGUF) // 2}-{len(GGUF) - 1}", "bytes=0-22"]
+    assert store.blob_path(sha256(GGUF)).read_bytes() == GGUF
