@@ -171,6 +171,8 @@ class FakeRegistry:
         self.release = threading.Event()
         self.requests: list[str] = []
         self.ranges: list[str] = []
+        self.authorizations: list[str | None] = []  # the Authorization header of each blob GET
+        self.redirect_blobs_to: str | None = None  # a base URL (another FakeRegistry, a "CDN") blob GETs are sent to
         self.token_requests: list[dict] = []
         self._server = _serve_in_thread(self._handler())
         self.host = f"127.0.0.1:{self._server.server_address[1]}"
@@ -211,6 +213,10 @@ class FakeRegistry:
                         self.reply(404, b'{"errors":[{"code":"MANIFEST_UNKNOWN","message":"manifest unknown"}]}')
                     else:
                         self.reply(200, raw, {"Content-Type": MANIFEST_TYPE})
+                    return
+                registry.authorizations.append(self.headers.get("Authorization"))
+                if registry.redirect_blobs_to:
+                    self.reply(307, b"", {"Location": registry.redirect_blobs_to + self.path})
                     return
                 digest = path.partition("/blobs/")[2]
                 data = registry.blobs.get(digest)

@@ -158,6 +158,20 @@ def test_a_401_challenge_is_answered_with_a_token_and_the_request_retried(fake, 
     assert "s3cr3t-token-value" not in caplog.text
 
 
+def test_blob_redirects_are_followed_without_taking_the_token_along(fake, store):
+    cdn = FakeRegistry()
+    try:
+        cdn.blobs = dict(fake.blobs)
+        fake.token, fake.redirect_blobs_to = "s3cr3t-token-value", f"http://{cdn.host}"
+        name = publish(fake, [layer(MODEL_MEDIA_TYPE, GGUF)])
+        manifest = store.pull(name, insecure=True)
+        assert store.blob_path(manifest.model.digest).read_bytes() == GGUF
+        assert fake.authorizations and all(header == "Bearer s3cr3t-token-value" for header in fake.authorizations)
+        assert len(cdn.authorizations) == 2 and not any(cdn.authorizations)  # the GGUF and the config, no token
+    finally:
+        cdn.close()
+
+
 def test_a_refused_token_is_a_clear_auth_error_and_keeps_nothing(fake, store):
     fake.token, fake.token_status = "never-given", 403
     name = publish(fake, [layer(MODEL_MEDIA_TYPE, GGUF)])
