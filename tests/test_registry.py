@@ -229,6 +229,20 @@ def test_a_corrupted_blob_is_rejected_and_the_store_is_unchanged(registry, sourc
     assert not list(target.blobs_dir.glob(f"{digest.replace(':', '-')}*"))
 
 
+def test_pulling_an_updated_tag_drops_the_layers_only_the_old_one_used(registry, source, name, tmp_path):
+    target = Store(tmp_path / "target")
+    old_system, new_system = (f"{word} {uuid.uuid4().hex}" for word in ("old", "new"))
+    create_model(source, name, ModelSpec(from_model=TINY_LLAMA, system=old_system))
+    source.push(name, insecure=True)
+    old = target.pull(name, insecure=True)
+    create_model(source, name, ModelSpec(from_model=TINY_LLAMA, system=new_system))
+    source.push(name, insecure=True)
+    new = target.pull(name, insecure=True)
+    assert model_defaults(target, name).system == new_system
+    assert all(target.has_blob(digest) for digest in new.blobs)
+    assert not any(target.has_blob(digest) for digest in old.blobs - new.blobs) and old.blobs - new.blobs
+
+
 def test_pulling_a_tag_the_registry_lacks_is_model_not_found(registry, tmp_path):
     with pytest.raises(ModelNotFoundError, match=f"not found in the registry {registry.host}"):
         Store(tmp_path / "target").pull(f"{registry.host}/tests/absent:latest", insecure=True)

@@ -62,7 +62,10 @@ def pull_model(
         for download in downloads.values():
             download.commit()
         report({"status": "writing manifest"})
+        replaced = _stored_manifest(store, name)
         stored = store.write_manifest_bytes(name, raw)
+        if replaced is not None:
+            store.prune(replaced.blobs - stored.blobs)  # as Ollama does: an updated model drops the layers only it used
     report({"status": "success"})
     return stored
 
@@ -112,6 +115,13 @@ def layer_progress(verb: str, layer: Layer, completed: int) -> dict:
         "total": layer.size,
         "completed": completed,
     }
+
+
+def _stored_manifest(store: Store, name: ModelName) -> Manifest | None:
+    try:
+        return store.manifest(name)
+    except CorruptManifestError:
+        return None  # replaced wholesale
 
 
 def _unique_blobs(manifest: Manifest) -> list[Layer]:
