@@ -116,6 +116,10 @@ class Registry:
             "Content-Length": str(len(chunk)),
         }
         with self.send("PATCH", url, headers=headers, content=chunk, expect=(202,)) as response:
+            # The registry says how much it holds ("0-<last byte>"); anything short of this chunk's end is lost data.
+            held = response.headers.get("Range", "")
+            if held and held.rpartition("-")[2] != str(start + len(chunk) - 1):
+                raise RegistryError(f"the registry {self.host} holds bytes {held} of an upload after a chunk ending at {start + len(chunk) - 1}")
             return _location(response)
 
     def finish_upload(self, url: httpx.URL, digest: str, content: Content = None, size: int = 0) -> None:
