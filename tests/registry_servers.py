@@ -204,7 +204,8 @@ class FakeRegistry:
                     realm = f"http://{registry.host}/token"
                     scope = "repository:" + path.removeprefix("/v2/").split("/manifests/")[0].split("/blobs/")[0] + ":pull"
                     challenge = f'Bearer realm="{realm}",service="fake-registry",scope="{scope}"'
-                    self.reply(401, b'{"errors":[{"code":"UNAUTHORIZED","message":"authentication required"}]}', {"WWW-Authenticate": challenge})
+                    body = b'{"errors":[{"code":"UNAUTHORIZED","message":"authentication required"}]}'
+                    self.reply(401, body, {"WWW-Authenticate": challenge})
                     return
                 if "/manifests/" in path:
                     repository, _, tag = path.removeprefix("/v2/").partition("/manifests/")

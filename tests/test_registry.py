@@ -128,7 +128,8 @@ def test_a_blob_larger_than_the_chunk_size_is_uploaded_in_chunks(registry, sourc
     renamed(source, name)
     chunks = []
     real_chunk = oci.Registry.upload_chunk
-    monkeypatch.setattr(oci.Registry, "upload_chunk", lambda self, url, chunk, start: chunks.append(start) or real_chunk(self, url, chunk, start))
+    spy = lambda self, url, chunk, start: chunks.append(start) or real_chunk(self, url, chunk, start)  # noqa: E731
+    monkeypatch.setattr(oci.Registry, "upload_chunk", spy)
     gguf_size = source.manifest(name).model.size
     push_model(source, parse_name(name), insecure=True, chunk_size=16 << 10)
     assert chunks == list(range(0, gguf_size, 16 << 10))

@@ -65,7 +65,8 @@ HOSTILE = {
     "a layer digest that walks out of the store": (
         lambda: [layer(MODEL_MEDIA_TYPE, GGUF, digest="sha256:../../../../x")], None, "invalid digest"),
     "a config digest that walks out of the store": (
-        lambda: [layer(MODEL_MEDIA_TYPE, GGUF)], {"mediaType": CONFIG_MEDIA_TYPE, "digest": "sha256:/etc/passwd", "size": 1}, "invalid digest"),
+        lambda: [layer(MODEL_MEDIA_TYPE, GGUF)], {"mediaType": CONFIG_MEDIA_TYPE, "digest": "sha256:/etc/passwd", "size": 1},
+        "invalid digest"),
     "a digest of another algorithm": (
         lambda: [layer(MODEL_MEDIA_TYPE, GGUF, digest="md5:" + "0" * 32)], None, "invalid digest"),
     "a negative size": (lambda: [layer(MODEL_MEDIA_TYPE, GGUF, size=-1)], None, "bad layer"),

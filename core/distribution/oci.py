@@ -119,7 +119,8 @@ class Registry:
             # The registry says how much it holds ("0-<last byte>"); anything short of this chunk's end is lost data.
             held = response.headers.get("Range", "")
             if held and held.rpartition("-")[2] != str(start + len(chunk) - 1):
-                raise RegistryError(f"the registry {self.host} holds bytes {held} of an upload after a chunk ending at {start + len(chunk) - 1}")
+                end = start + len(chunk) - 1
+                raise RegistryError(f"the registry {self.host} holds bytes {held} of an upload after a chunk ending at {end}")
             return _location(response)
 
     def finish_upload(self, url: httpx.URL, digest: str, content: Content = None, size: int = 0) -> None:
@@ -196,7 +197,8 @@ class Registry:
             except httpx.RequestError as error:
                 raise RegistryAuthError(f"cannot reach the token service of {self.host}: {_describe(error)}") from None
             if status != 200:
-                raise RegistryAuthError(f"the token service of {self.host} refused a token for {params.get('scope', 'access')} (HTTP {status})")
+                scope = params.get("scope", "access")
+                raise RegistryAuthError(f"the token service of {self.host} refused a token for {scope} (HTTP {status})")
             token = _token_from(body)
             if token is None:
                 raise RegistryAuthError(f"the token service of {self.host} sent no usable token")

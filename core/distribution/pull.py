@@ -139,4 +139,5 @@ def _check_space(store: Store, downloads: list[BlobDownload]) -> None:
     existing = next(path for path in (store.blobs_dir, *Path(store.blobs_dir).parents) if path.exists())
     free = shutil.disk_usage(existing).free
     if needed > free:
-        raise NotEnoughSpaceError(f"the model needs {needed} bytes but the store's disk has {free} free; free some space or pull a smaller model")
+        message = f"the model needs {needed} bytes but the store's disk has {free} free; free some space or pull a smaller model"
+        raise NotEnoughSpaceError(message)

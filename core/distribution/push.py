@@ -22,7 +22,9 @@ CHUNK_SIZE = 64 << 20  # bytes per PATCH; a blob up to this size goes in one PUT
 _READ = 1 << 20
 
 
-def push_model(store: Store, name: ModelName, progress: Progress | None = None, insecure: bool = False, chunk_size: int = CHUNK_SIZE) -> None:
+def push_model(
+    store: Store, name: ModelName, progress: Progress | None = None, insecure: bool = False, chunk_size: int = CHUNK_SIZE
+) -> None:
     """Upload `name` from `store` to the registry its name points at, reporting Ollama's push progress dicts."""
     report = progress or (lambda event: None)
     report({"status": "retrieving manifest"})

@@ -214,7 +214,10 @@ def _error_responses(statuses: tuple[int, ...], openai: bool) -> dict:
             for status in statuses}
 
 
-_REASONS = {400: "Bad request", 404: "Model not found", 500: "Server error", 502: "The model registry failed or sent something refused", 503: "Server busy"}
+_REASONS = {
+    400: "Bad request", 404: "Model not found", 500: "Server error",
+    502: "The model registry failed or sent something refused", 503: "Server busy",
+}  # fmt: skip
 
 
 def _op(
