@@ -118,9 +118,13 @@ class Client:
         """Unload a model now (an empty prompt with keep_alive 0)."""
         return _last(self.generate(model, "", keep_alive=0))
 
-    def pull(self, model: str) -> Iterator[dict]:
-        """Stream the progress of pulling a model into the server's store."""
-        return self._stream("POST", "/api/pull", {"model": model, "stream": True})
+    def pull(self, model: str, insecure: bool = False) -> Iterator[dict]:
+        """Stream the progress of pulling a model into the server's store (`insecure`: a plain-HTTP registry)."""
+        return self._stream("POST", "/api/pull", {"model": model, "insecure": insecure, "stream": True})
+
+    def push(self, model: str, insecure: bool = False) -> Iterator[dict]:
+        """Stream the progress of pushing a model from the server's store to its registry."""
+        return self._stream("POST", "/api/push", {"model": model, "insecure": insecure, "stream": True})
 
     def list(self) -> list[dict]:
         """The models in the server's store (/api/tags)."""

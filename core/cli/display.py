@@ -45,6 +45,10 @@ class PullProgress:
                 task = self._tasks[status] = self._bar.add_task(status, total=event["total"])
             self._bar.update(task, completed=event.get("completed", 0))
         elif status and status != self._last_line:
+            if self._bar is not None:
+                # The layers are done: leave their bars as they stand, so later lines follow them (as Ollama's do).
+                self._bar.__exit__(None, None, None)
+                self._bar, self._tasks = None, {}
             err_console.print(status, highlight=False, soft_wrap=True)
             self._last_line = status
 

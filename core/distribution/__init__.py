@@ -1,4 +1,9 @@
-"""Sources a model is pulled from into the store, one module each (the Hugging Face Hub: huggingface).
+"""Getting models from elsewhere and sending them back.
+
+Ollama-style (OCI distribution) registries: `oci` speaks the registry protocol (manifests, blobs,
+uploads, token auth), `download` fetches one blob in resumable ranged parts, `pull` and `push` move
+whole models between a registry and a store. The Hugging Face Hub: `huggingface` (GGUF files of a
+repository, through huggingface_hub), `gguf_split` (split GGUFs merged on pull).
 
 Only the question the store asks of every name lives here, so that answering it imports no source's
 client library (huggingface_hub takes a fifth of a second to import).

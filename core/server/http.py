@@ -9,6 +9,7 @@ from typing import Any, AsyncIterator, Callable
 
 import quart
 
+from corral.distribution.errors import RegistryError
 from corral.errors import (
     CorralError,
     GGUFError,
@@ -51,6 +52,7 @@ _STATUS_BY_ERROR: list[tuple[type[BaseException], int]] = [
     (UnsupportedTensorTypeError, 500),
     (MissingTensorError, 500),
     (GGUFError, 500),
+    (RegistryError, 502),  # the registry failed or sent something unusable: not the client's fault, nor ours
 ]
 
 

@@ -1,4 +1,4 @@
-"""Ollama's model management endpoints: tags, show, ps, copy, delete, pull, version."""
+"""Ollama's model management endpoints: tags, show, ps, copy, delete, pull, push, version."""
 
 from __future__ import annotations
 
@@ -143,17 +143,29 @@ async def delete():
 
 @bp.post("/api/pull")
 async def pull():
+    return await _transfer(state().store.pull)
+
+
+@bp.post("/api/push")
+async def push():
+    return await _transfer(state().store.push)
+
+
+async def _transfer(method) -> Any:
+    """Run a pull or push (`method(name, progress=..., insecure=...)`) and answer with its progress."""
     body = await read_json()
     name = field(body, "model", str, None) or field(body, "name", str, required=True)
     stream = field(body, "stream", bool, True)
+    insecure = field(body, "insecure", bool, False)
     parse_name(name)
     send, receive = trio.open_memory_channel(0)
 
     def report(event: dict) -> None:
         trio.from_thread.run(send.send, event)
 
-    # The pull runs in the server's nursery; the response only reads its progress.
-    state().nursery.start_soon(_pull_then_close, state().store, name, report, send)
+    # The transfer runs in the server's nursery; the response only reads its progress.
+    work = functools.partial(method, name, progress=report, insecure=insecure)
+    state().nursery.start_soon(_run_then_close, work, send)
 
     async def progress() -> AsyncIterator[dict]:
         async with receive:
@@ -171,12 +183,12 @@ async def pull():
     return last
 
 
-async def _pull_then_close(store, name: str, report, send: trio.MemorySendChannel) -> None:
+async def _run_then_close(work, send: trio.MemorySendChannel) -> None:
     async with send:
         try:
-            await trio.to_thread.run_sync(functools.partial(store.pull, name, progress=report))
+            await trio.to_thread.run_sync(work)
         except trio.BrokenResourceError:
-            pass  # the client went away; the blob writer cleaned up
+            pass  # the client went away; a pull keeps its partial files for the next one
         except Exception as exc:  # noqa: BLE001 - delivered to the streaming client
             with contextlib.suppress(trio.BrokenResourceError):
                 await send.send({"error": exc})

@@ -214,7 +214,10 @@ def _error_responses(statuses: tuple[int, ...], openai: bool) -> dict:
             for status in statuses}
 
 
-_REASONS = {400: "Bad request", 404: "Model not found", 500: "Server error", 503: "Server busy"}
+_REASONS = {
+    400: "Bad request", 404: "Model not found", 500: "Server error",
+    502: "The model registry failed or sent something refused", 503: "Server busy",
+}  # fmt: skip
 
 
 def _op(
@@ -271,8 +274,9 @@ OPERATIONS: dict[tuple[str, str], dict] = {
     ("/api/create", "post"): _op("Create a model", "ollama", "CreateRequest", "Progress", stream=_NDJSON),
     ("/api/copy", "post"): _op("Copy a model", "ollama", "CopyRequest"),
     ("/api/delete", "delete"): _op("Delete a model", "ollama", "ModelRequest"),
-    ("/api/pull", "post"): _op("Pull a model", "ollama", "PullRequest", "Progress", stream=_NDJSON),
-    ("/api/push", "post"): _op("Push a model", "ollama", "PullRequest", "Progress", stream=_NDJSON),
+    # 502: the registry failed, or sent a manifest or blob that was refused.
+    ("/api/pull", "post"): _op("Pull a model", "ollama", "PullRequest", "Progress", stream=_NDJSON, errors=(400, 404, 500, 502)),
+    ("/api/push", "post"): _op("Push a model", "ollama", "PullRequest", "Progress", stream=_NDJSON, errors=(400, 404, 500, 502)),
     ("/api/blobs/{}", "head"): _op("Whether the store holds a blob", "ollama", errors=(404,)),
     ("/api/blobs/{}", "post"): _op(
         "Upload a blob", "ollama", status="201", errors=(400, 500),
