@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from corral.gotemplate.errors import TemplateError
-from corral.gotemplate.values import NO_VALUE, GoStruct, basic_kind, format_float, quote_json, sprint, truth, type_name
+from corral.gotemplate.values import NO_VALUE, GoStruct, basic_kind, format_float, sprint, truth, type_name
 
 
 def _not(value: Any) -> bool:

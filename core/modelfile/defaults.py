@@ -10,7 +10,7 @@ from typing import Any
 import attrs
 
 from corral.errors import ModelNotFoundError
-from corral.modelfile.syntax import IGNORED_PARAMETERS, Message, Modelfile, is_go_template, render_value
+from corral.modelfile.syntax import IGNORED_PARAMETERS, Message, Modelfile, render_value
 from corral.options import STANDARD_OPTIONS, InvalidOptionError, parse_options
 from corral.store import (
     LICENSE_MEDIA_TYPE,
@@ -50,10 +50,7 @@ class ModelDefaults:
         return preamble + messages
 
     def chat_template(self, model: str) -> str | None:
-        """The TEMPLATE to render `model`'s chats with instead of its file's: only a Jinja one (a Go one is warned of)."""
-        if self.template and is_go_template(self.template):
-            log.warning("%s: its TEMPLATE is an Ollama Go template, which corral cannot render; using the file's", model)
-            return None
+        """The TEMPLATE to render `model`'s chats with instead of its file's (Jinja or Ollama's Go: corral.template decides)."""
         return self.template or None
 
     def to_modelfile(self, from_: str) -> Modelfile:

@@ -15,6 +15,7 @@ from corral.scheduler import parse_keep_alive
 from corral.server import generation
 from corral.server.http import ApiError, field, ndjson_response, now_rfc3339, read_json
 from corral.server.state import state
+from corral.template import ChatTemplate
 
 bp = quart.Blueprint("ollama", __name__)
 
@@ -115,6 +116,18 @@ async def _load_or_unload(req: dict, base: dict) -> dict:
     return base | {"done": True, "done_reason": "load"}
 
 
+async def _render_request_template(model: str, source: str, prompt: str, system: str | None, context: list | None) -> str:
+    """/api/generate's `template` over Ollama's messages: the system message (the request's, else the model's),
+    the model's MESSAGEs unless a `context` continues a conversation, then the prompt as the user's turn."""
+    template = ChatTemplate(source)  # a template that does not compile is a TemplateError: 400
+    defaults = await trio.to_thread.run_sync(model_defaults, state().store, model)
+    system = system or defaults.system
+    messages = [{"role": "system", "content": system}] if system else []
+    if context is None:
+        messages += [message.to_json() for message in defaults.messages]
+    return template.render(messages + [{"role": "user", "content": prompt}])
+
+
 @bp.post("/api/generate")
 async def generate():
     body = await read_json()
@@ -125,16 +138,20 @@ async def generate():
     context = field(body, "context", list, None)
     if raw and (system or context or body.get("template")):
         raise ApiError(400, "raw mode does not support template, system, or context")
+    template = field(body, "template", str, None)
     state().scheduler.resolve(req["model"])
     base = {"model": req["model"], "created_at": now_rfc3339(), "response": ""}
     if not prompt and not body.get("images"):
         return await _load_or_unload(req, base)
+    if template:
+        # As Ollama: the request's template renders the prompt here, which then goes to the model raw.
+        prompt = await _render_request_template(req["model"], template, prompt, system, context)
 
     def start(run: generation.Prepared):
         return run.runtime.generate(
-            prompt, run.options, raw=raw, system=system or (None if raw else run.defaults.system), context=context,
-            shift=req["shift"], logprobs=req["logprobs"], top_logprobs=req["top_logprobs"], format=req["format"],
-        )
+            prompt, run.options, raw=raw or bool(template), system=None if template else system or (None if raw else run.defaults.system),
+            context=context, shift=req["shift"], logprobs=req["logprobs"], top_logprobs=req["top_logprobs"], format=req["format"],
+        )  # fmt: skip
 
     def chunk_obj(chunk: Chunk) -> dict:
         out = {"model": req["model"], "created_at": now_rfc3339(), "response": chunk.text, "done": False}
