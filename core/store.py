@@ -37,6 +37,7 @@ from corral.errors import CorralError, InvalidModelNameError, ModelNotFoundError
 log = logging.getLogger(__name__)
 
 DEFAULT_ROOT = "~/.corral/models"
+OLLAMA_ROOT = "~/.ollama/models"  # Ollama's own store, used in place when corral has none (`default_store`)
 # Ollama's registry host, so names and paths line up with an existing ~/.ollama/models.
 DEFAULT_HOST = "registry.ollama.ai"
 DEFAULT_NAMESPACE = "library"
@@ -522,8 +523,19 @@ def _write_atomically(path: Path, data: bytes) -> None:
 
 
 def default_store() -> Store:
-    """The store at $CORRAL_MODELS, or ~/.corral/models."""
-    return Store(os.environ.get("CORRAL_MODELS") or DEFAULT_ROOT)
+    """The store corral uses: the first of $CORRAL_MODELS, $OLLAMA_MODELS, an existing ~/.corral/models,
+    an existing ~/.ollama/models (one with manifests), else ~/.corral/models (created on first write).
+
+    An Ollama store is used in place, read and written, so what Ollama pulled runs without a second copy
+    and what corral creates there Ollama lists too: the layout and media types are Ollama's.
+    """
+    for variable in ("CORRAL_MODELS", "OLLAMA_MODELS"):
+        if os.environ.get(variable):
+            return Store(os.environ[variable])
+    corral, ollama = Path(DEFAULT_ROOT).expanduser(), Path(OLLAMA_ROOT).expanduser()
+    if not corral.exists() and (ollama / "manifests").is_dir():
+        return Store(ollama)
+    return Store(corral)
 
 
 def pull(name: str | ModelName, progress: Progress | None = None) -> Manifest:

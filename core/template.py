@@ -47,7 +47,7 @@ CHATML = (
 _GO_ACTION = re.compile(r"\{\{-?\s*(range|if|with|else|end|template|define|block)\b|\{\{-?(?:[^}]*?[\s(|])?[.$]")
 _JINJA_TAG = re.compile(r"\{[%#]")
 
-__all__ = ["CHATML", "ChatTemplate", "TemplateError", "compile_template", "is_go_template"]
+__all__ = ["CHATML", "ChatTemplate", "TemplateError", "compile_template", "is_go_template", "renders_tools"]
 
 
 def is_go_template(text: str) -> bool:
@@ -128,6 +128,16 @@ class ChatTemplate:
         if self.strip_bos and self.bos_token and text.startswith(self.bos_token):
             text = text[len(self.bos_token) :]
         return text
+
+
+def renders_tools(source: str) -> bool:
+    """Whether a template renders the tools on offer: a Go one names `.Tools` (as Ollama checks), a Jinja one `tools`."""
+    if is_go_template(source):
+        try:
+            return "tools" in OllamaTemplate(source).vars
+        except TemplateError:
+            return False
+    return "tools" in source
 
 
 class _GenerationBlock(jinja2.ext.Extension):

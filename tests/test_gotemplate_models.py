@@ -137,3 +137,18 @@ async def test_api_create_refuses_a_broken_go_template(http):
     response = await http.post("/api/create", json={"model": "broken", "from": TINY_LLAMA, "template": "{{ range .Messages }}", "stream": False})
     assert response.status_code == 400 and "TEMPLATE" in response.json()["error"]
     assert (await http.post("/api/show", json={"model": "broken"})).status_code == 404
+
+
+async def test_a_go_template_naming_tools_gives_the_tools_capability_and_renders_them(http, tiny):
+    template = "{{ if .Tools }}T:{{ .Tools }}\n{{ end }}{{ range .Messages }}{{ .Role }}: {{ .Content }}\n{{ end }}A:"
+    created = await http.post("/api/create", json={"model": "go-tools", "from": TINY_LLAMA, "template": template, "stream": False})
+    assert created.status_code == 200, created.text
+    show = (await http.post("/api/show", json={"model": "go-tools"})).json()
+    assert "tools" in show["capabilities"] and show["template"] == template
+    assert "tools" not in (await http.post("/api/show", json={"model": "go-zephyr"})).json()["capabilities"]
+    tools = [{"type": "function", "function": {"name": "f", "description": "d", "parameters": {"type": "object", "properties": {}}}}]
+    body = {"model": "go-tools", "messages": [{"role": "user", "content": "Hi"}], "tools": tools, "stream": False, "options": GREEDY_ONE}
+    chat = await http.post("/api/chat", json=body)
+    assert chat.status_code == 200, chat.text
+    text = 'T:[{"type":"function","function":{"name":"f","description":"d","parameters":{"type":"object","properties":{}}}}]\nuser: Hi\nA:'
+    assert chat.json()["prompt_eval_count"] == len(tiny.tokenize(text))
