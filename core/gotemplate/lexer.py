@@ -73,6 +73,8 @@ def tokens(source: str, name: str = "") -> Iterator[Token]:
 
 def _action(source: str, pos: int, line: int, name: str) -> Iterator[Token]:
     """The tokens of one action starting at `pos` (after the delimiter); returns where the text resumes."""
+    if source.startswith("/*", pos) and source.find("*/", pos + 2) < 0:
+        raise TemplateError(f"template: {name}:{line}: unclosed comment")
     comment = re.compile(r"/\*.*?\*/", re.DOTALL).match(source, pos)
     if comment:
         after = comment.end()
