@@ -12,6 +12,7 @@ import os
 import pathlib
 import socket
 
+import httpx
 import pytest
 from click.testing import CliRunner
 
@@ -19,6 +20,7 @@ from corral import store
 from corral.cli import main
 from corral.engine import load_model
 from corral.modelfile import model_defaults
+from corral.server.serve import serve
 from tiny_gguf import write_tiny_llama
 
 DATA = pathlib.Path(__file__).parent / "data" / "ollama_templates"
@@ -32,13 +34,13 @@ def _blob(root: pathlib.Path, content: bytes, media_type: str) -> dict:
     return {"mediaType": media_type, "digest": f"sha256:{digest}", "size": len(content)}
 
 
-def write_ollama_store(root: pathlib.Path, gguf: str | pathlib.Path) -> pathlib.Path:
+def write_ollama_store(root: pathlib.Path, gguf: str | pathlib.Path, template: str = ZEPHYR_GO) -> pathlib.Path:
     """`ollama pull`'s result for one model: blobs named sha256-<hex>, a manifest under registry.ollama.ai."""
     (root / "blobs").mkdir(parents=True)
     model = _blob(root, pathlib.Path(gguf).read_bytes(), "application/vnd.ollama.image.model")
     layers = [
         model,
-        _blob(root, ZEPHYR_GO.encode(), "application/vnd.ollama.image.template"),
+        _blob(root, template.encode(), "application/vnd.ollama.image.template"),
         _blob(root, b'{"stop":["<|system|>","<|user|>","<|assistant|>","</s>"],"temperature":0.5}', "application/vnd.ollama.image.params"),
         _blob(root, b"You are a tiny zephyr.", "application/vnd.ollama.image.system"),
     ]
@@ -119,3 +121,14 @@ def test_corral_writes_into_the_ollama_store_in_place(home):
     assert json.loads(copied.read_text())["layers"] == json.loads((root / "manifests/registry.ollama.ai/library/tinyzephyr/latest").read_text())["layers"]
     assert sorted(p.name for p in (root / "blobs").iterdir()) == blobs  # the copy shares every blob
     assert not (home / ".corral").exists()
+
+
+async def test_a_stored_template_corral_cannot_render_is_a_clear_400(tmp_path, nursery):
+    root = write_ollama_store(tmp_path / "models", write_tiny_llama(tmp_path / "tiny.gguf"), "{{ range .Messages }}{{ upper .Content }}{{ end }}")
+    address = await nursery.start(serve, "127.0.0.1", 0, store.Store(root))
+    async with httpx.AsyncClient(base_url=f"http://{address}", timeout=60) as client:
+        for path, body in (("/api/chat", {"messages": [{"role": "user", "content": "hi"}]}), ("/api/generate", {"prompt": "hi"})):
+            response = await client.post(path, json={"model": "tinyzephyr", "stream": False} | body)
+            assert response.status_code == 400
+            error = response.json()["error"]
+            assert 'function "upper" not defined' in error and "tinyzephyr" in error and str(tmp_path) not in error

@@ -98,7 +98,8 @@ def _action(source: str, pos: int, line: int, name: str) -> Iterator[Token]:
             raise TemplateError(f"template: {name}:{line}: unclosed action")
         match = _TOKEN.match(source, pos)
         if match is None:
-            raise TemplateError(f"template: {name}:{line}: unexpected {source[pos]!r} in command")
+            char = source[pos]
+            raise TemplateError(f"template: {name}:{line}: unrecognized character in action: U+{ord(char):04X} {char!r}")
         kind, value = match.lastgroup, match.group()
         if kind == "identifier":
             kind = "bool" if value in ("true", "false") else ("keyword" if value in KEYWORDS else kind)
