@@ -47,7 +47,7 @@ CHATML = (
 _GO_ACTION = re.compile(r"\{\{-?\s*(range|if|with|else|end|template|define|block)\b|\{\{-?(?:[^}]*?[\s(|])?[.$]")
 _JINJA_TAG = re.compile(r"\{[%#]")
 
-__all__ = ["CHATML", "ChatTemplate", "TemplateError", "compile_template", "is_go_template", "renders_tools"]
+__all__ = ["CHATML", "ChatTemplate", "TemplateError", "compile_template", "is_go_template", "renders_suffix", "renders_tools"]
 
 
 def is_go_template(text: str) -> bool:
@@ -133,11 +133,20 @@ class ChatTemplate:
 def renders_tools(source: str) -> bool:
     """Whether a template renders the tools on offer: a Go one names `.Tools` (as Ollama checks), a Jinja one `tools`."""
     if is_go_template(source):
-        try:
-            return "tools" in OllamaTemplate(source).vars
-        except TemplateError:
-            return False
+        return "tools" in _go_vars(source)
     return "tools" in source
+
+
+def renders_suffix(source: str) -> bool:
+    """Whether a template fills in the middle (Ollama's "insert" capability): a Go one naming `.Suffix`."""
+    return is_go_template(source) and "suffix" in _go_vars(source)
+
+
+def _go_vars(source: str) -> frozenset[str]:
+    try:
+        return OllamaTemplate(source).vars
+    except TemplateError:
+        return frozenset()
 
 
 class _GenerationBlock(jinja2.ext.Extension):

@@ -6,6 +6,7 @@ test_gotemplate_ollama): `prompt_eval_count` on the HTTP APIs, the ids themselve
 
 from __future__ import annotations
 
+import json
 import pathlib
 
 import httpx
@@ -152,3 +153,16 @@ async def test_a_go_template_naming_tools_gives_the_tools_capability_and_renders
     assert chat.status_code == 200, chat.text
     text = 'T:[{"type":"function","function":{"name":"f","description":"d","parameters":{"type":"object","properties":{}}}}]\nuser: Hi\nA:'
     assert chat.json()["prompt_eval_count"] == len(tiny.tokenize(text))
+
+
+async def test_api_generate_fills_in_the_middle_with_a_suffix_template(http, tiny):
+    fim = json.loads((DATA / "cases.json").read_text())["TestExecuteWithSuffix"]["template"]
+    created = await http.post("/api/create", json={"model": "go-fim", "from": TINY_LLAMA, "template": fim, "stream": False})
+    assert created.status_code == 200, created.text
+    assert "insert" in (await http.post("/api/show", json={"model": "go-fim"})).json()["capabilities"]
+    body = {"model": "go-fim", "prompt": "def add(", "suffix": "return x", "stream": False, "options": GREEDY_ONE}
+    response = await http.post("/api/generate", json=body)
+    assert response.status_code == 200, response.text
+    assert response.json()["prompt_eval_count"] == len(tiny.tokenize("<PRE> def add( <SUF>return x <MID>"))
+    plain = await http.post("/api/generate", json=body | {"model": "go-zephyr"})
+    assert plain.status_code == 400 and "does not support insert" in plain.json()["error"]
