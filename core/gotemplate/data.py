@@ -13,7 +13,7 @@ from typing import Any
 import attrs
 
 from corral.gotemplate.errors import TemplateError
-from corral.gotemplate.values import GoMap, GoSlice, GoStruct, marshal, sprint
+from corral.gotemplate.values import GoMap, GoSlice, GoStruct, marshal
 
 
 def _json(name: str, omitempty: bool = False) -> dict:
@@ -282,6 +282,3 @@ def _strings(value: Any, where: str) -> list[str]:
 def typescript_type(value: Any) -> str:
     """Ollama's toTypeScriptType: a tool property's TypeScript type, "any" for anything else."""
     return value.to_typescript() if isinstance(value, ToolProperty) else "any"
-
-
-__all__ = ["Message", "Tool", "ToolProperty", "Tools", "go_any", "message", "sprint", "tools", "typescript_type"]

@@ -197,7 +197,7 @@ def _format_one(verb: str, arg: Any, flags: str, precision: str | None) -> str:
         return text.upper() if verb == "X" else text
     if verb == "c" and isinstance(arg, int) and not isinstance(arg, bool):
         return chr(arg)
-    if verb in "feg" and isinstance(arg, (int, float)) and not isinstance(arg, bool) and isinstance(arg, float):
+    if verb in "feg" and isinstance(arg, float):
         if verb == "g" and digits is None:
             return format_float(arg, "g")
         return format(arg, f".{6 if digits is None else digits}{verb}")

@@ -97,11 +97,8 @@ class OllamaTemplate:
             return self._run(values | thinking)
         return self._legacy(collated, thinking)
 
-    def _run(self, values: dict, trees: dict | None = None, legacy_cut: bool = False) -> str:
-        if legacy_cut:
-            # Ollama runs the cut tree as a new bare template: no helpers, no defines, missing keys give no value.
-            return execute(trees, data.GoMap(values), BUILTINS, missing_zero=False)
-        return execute(trees or self.trees, data.GoMap(values), FUNCTIONS)
+    def _run(self, values: dict) -> str:
+        return execute(self.trees, data.GoMap(values), FUNCTIONS)
 
     def _legacy(self, messages: list[data.Message], thinking: dict) -> str:
         """One render per system/user/assistant group; the last one stops after `{{ .Response }}`."""
@@ -123,8 +120,9 @@ class OllamaTemplate:
                 turn["Prompt"] = message.Content
             elif message.Role == "assistant":
                 turn["Response"] = message.Content
-        cut = cut_after_response(self.trees[""])
-        out.append(self._run(turn | thinking, {"": cut}, legacy_cut=True))
+        # Ollama runs the cut tree as a new bare template: no helpers, no defines, missing keys give no value.
+        cut = {"": cut_after_response(self.trees[""])}
+        out.append(execute(cut, data.GoMap(turn | thinking), BUILTINS, missing_zero=False))
         return "".join(out)
 
 
