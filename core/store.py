@@ -336,8 +336,14 @@ class Store:
             return writer.commit(digest)
 
     def manifest_path(self, name: str | ModelName) -> Path:
-        """Where the manifest of a name lives (whether or not it exists)."""
-        return self.manifests_dir.joinpath(*parse_name(name).parts)
+        """Where the manifest of a name lives (whether or not it exists).
+
+        Names are case-insensitive, as in Ollama, whose store keeps them as typed
+        (`hf.co/bartowski/Llama-3.2-1B-Instruct-GGUF/Q4_K_M`): an existing path that differs in case only is used.
+        """
+        parts = parse_name(name).parts
+        path = self.manifests_dir.joinpath(*parts)
+        return path if path.exists() else _existing_in_any_case(self.manifests_dir, parts) or path
 
     def manifest(self, name: str | ModelName) -> Manifest | None:
         """The manifest of a model, or None if the store does not have it."""
@@ -488,6 +494,21 @@ class Store:
                 log.warning("skipping %s: %s", path, error)
                 continue
             yield name, path, manifest
+
+
+def _existing_in_any_case(root: Path, parts: Iterable[str]) -> Path | None:
+    """The existing path under `root` whose components equal `parts` (lower-case) but for case, or None."""
+    path = root
+    for part in parts:
+        exact = path / part
+        if exact.exists():
+            path = exact
+            continue
+        try:
+            path = next(entry for entry in path.iterdir() if entry.name.lower() == part)
+        except (StopIteration, OSError):
+            return None
+    return path
 
 
 def _layer_progress(package: PackagedModel, completed: int) -> dict:

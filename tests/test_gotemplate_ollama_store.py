@@ -132,3 +132,18 @@ async def test_a_stored_template_corral_cannot_render_is_a_clear_400(tmp_path, n
             assert response.status_code == 400
             error = response.json()["error"]
             assert 'function "upper" not defined' in error and "tinyzephyr" in error and str(tmp_path) not in error
+
+
+def test_a_model_ollama_stored_in_mixed_case_is_found(home):
+    """Ollama keeps names as typed (hf.co pulls are mixed case); corral's names are case-insensitive like Ollama's."""
+    root = home / ".ollama" / "models" / "manifests"
+    mixed = root / "hf.co" / "bartowski" / "Tiny-Zephyr-GGUF" / "Q4_K_M"
+    mixed.parent.mkdir(parents=True)
+    mixed.write_bytes((root / "registry.ollama.ai" / "library" / "tinyzephyr" / "latest").read_bytes())
+    models = store.default_store()
+    listed = [str(entry.name) for entry in models.list()]
+    assert "hf.co/bartowski/tiny-zephyr-gguf:q4_k_m" in listed
+    assert models.model_path("hf.co/bartowski/Tiny-Zephyr-GGUF:Q4_K_M") == models.model_path("tinyzephyr")
+    assert model_defaults(models, listed[listed.index("hf.co/bartowski/tiny-zephyr-gguf:q4_k_m")]).template == ZEPHYR_GO
+    models.delete("hf.co/bartowski/tiny-zephyr-gguf:q4_k_m")
+    assert not mixed.exists() and models.manifest("tinyzephyr") is not None
