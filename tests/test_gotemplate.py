@@ -186,3 +186,15 @@ def test_floats_print_as_go_prints_them(value, g, json_text):
 )
 def test_the_syntax_decides_jinja_or_go(source, go):
     assert is_go_template(source) is go
+
+
+def test_the_rule_tells_every_shipped_template_apart():
+    import pathlib
+
+    import corral.plugins.architectures as architectures
+
+    jinja = sorted((pathlib.Path(architectures.__file__).parent / "templates").glob("*.jinja"))
+    go = sorted((pathlib.Path(__file__).parent / "data" / "ollama_templates").glob("*.gotmpl"))
+    assert jinja and len(go) == 20
+    assert not [path.name for path in jinja if is_go_template(path.read_text())]
+    assert all(is_go_template(path.read_text()) for path in go)

@@ -166,3 +166,26 @@ async def test_api_generate_fills_in_the_middle_with_a_suffix_template(http, tin
     assert response.json()["prompt_eval_count"] == len(tiny.tokenize("<PRE> def add( <SUF>return x <MID>"))
     plain = await http.post("/api/generate", json=body | {"model": "go-zephyr"})
     assert plain.status_code == 400 and "does not support insert" in plain.json()["error"]
+
+
+async def test_corral_create_takes_a_modelfile_with_an_ollama_template(tiny_server, http, tmp_path, monkeypatch, tiny):
+    import functools
+
+    import trio
+    from click.testing import CliRunner
+
+    from corral.cli import main
+
+    monkeypatch.setenv("CORRAL_HOST", tiny_server.removeprefix("http://"))
+    (tmp_path / "Modelfile").write_text(f'FROM {tiny.path}\nTEMPLATE """{ZEPHYR_GO}"""\nSYSTEM Be kind.\n')
+    create = functools.partial(CliRunner().invoke, main, ["create", "zephyr-go", "-f", str(tmp_path / "Modelfile")])
+    result = await trio.to_thread.run_sync(create)
+    assert result.exit_code == 0, result.output
+    shown = (await http.post("/api/show", json={"model": "zephyr-go"})).json()
+    assert shown["template"] == ZEPHYR_GO and shown["system"] == "Be kind."
+    chat = await http.post("/api/chat", json={"model": "zephyr-go", "messages": USER, "stream": False, "options": GREEDY_ONE})
+    text = "<|system|>\nBe kind.</s>\n<|user|>\nHello, how are you?</s>\n<|assistant|>\n"
+    assert chat.json()["prompt_eval_count"] == len(tiny.tokenize(text))
+    (tmp_path / "Bad").write_text(f"FROM {tiny.path}\nTEMPLATE {{{{ range .Messages }}}}{{{{ oops }}}}\n")
+    bad = await trio.to_thread.run_sync(functools.partial(CliRunner().invoke, main, ["create", "bad", "-f", str(tmp_path / "Bad")]))
+    assert bad.exit_code != 0 and 'function "oops" not defined' in bad.output
