@@ -100,6 +100,11 @@ async def http(tiny_server):
 GREEDY_ONE = {"num_predict": 1, "temperature": 0}
 
 
+def prompt_ids(final: dict) -> list[int]:
+    """The prompt's token ids, as /api/generate's final `context` (prompt then reply) holds them."""
+    return final["context"][: final["prompt_eval_count"]]
+
+
 async def test_api_chat_and_openai_prompts_are_the_go_render(http, tiny):
     # Short turns: the tiny model's context (128) would drop the oldest turns of Ollama's own conversation.
     short = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}, {"role": "user", "content": "Ok?"}]
@@ -116,8 +121,8 @@ async def test_api_chat_and_openai_prompts_are_the_go_render(http, tiny):
 
 async def test_api_generate_uses_the_go_template_unless_raw(http, tiny):
     body = {"model": "go-zephyr", "prompt": "Hello, how are you?", "stream": False, "options": GREEDY_ONE}
-    templated = await http.post("/api/generate", json=body)
-    assert templated.json()["prompt_eval_count"] == len(tiny.tokenize(expected("zephyr.gotmpl", "user")))
+    templated = (await http.post("/api/generate", json=body)).json()
+    assert prompt_ids(templated) == tiny.tokenize(expected("zephyr.gotmpl", "user"))
     raw = await http.post("/api/generate", json=body | {"raw": True})
     assert raw.json()["prompt_eval_count"] == len(tiny.tokenize("Hello, how are you?"))
 
@@ -127,7 +132,7 @@ async def test_api_generate_renders_a_request_template(http, tiny):
     response = await http.post("/api/generate", json=body | {"template": CHATML_GO, "system": "Be brief."})
     assert response.status_code == 200, response.text
     text = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHello, how are you?<|im_end|>\n<|im_start|>assistant\n"
-    assert response.json()["prompt_eval_count"] == len(tiny.tokenize(text))
+    assert prompt_ids(response.json()) == tiny.tokenize(text)
     bad = await http.post("/api/generate", json=body | {"template": "{{ nope .Prompt }}"})
     assert bad.status_code == 400 and 'function "nope" not defined' in bad.json()["error"]
     raw = await http.post("/api/generate", json=body | {"template": ZEPHYR_GO, "raw": True})
@@ -163,7 +168,7 @@ async def test_api_generate_fills_in_the_middle_with_a_suffix_template(http, tin
     body = {"model": "go-fim", "prompt": "def add(", "suffix": "return x", "stream": False, "options": GREEDY_ONE}
     response = await http.post("/api/generate", json=body)
     assert response.status_code == 200, response.text
-    assert response.json()["prompt_eval_count"] == len(tiny.tokenize("<PRE> def add( <SUF>return x <MID>"))
+    assert prompt_ids(response.json()) == tiny.tokenize("<PRE> def add( <SUF>return x <MID>")
     plain = await http.post("/api/generate", json=body | {"model": "go-zephyr"})
     assert plain.status_code == 400 and "does not support insert" in plain.json()["error"]
 
