@@ -7,8 +7,9 @@ Gemma's turns), else ChatML.
 Jinja or Go is decided by syntax (`is_go_template`), never by trying one and then the other: a template
 is Go when it has no Jinja statement or comment (`{%`, `{#`) and an action that only Go writes: one
 starting with a Go keyword (`{{- range .Messages }}`, `{{ if`, `{{ end }}`) or with a Go operand (`.`,
-`.Field`, `$x`) standing alone (`{{ .Prompt }}`, `{{ json .Tools }}`, `{{ $.System }}`). Ollama's TEMPLATEs are Go; GGUF `tokenizer.chat_template`s are Jinja. A Go template that
-Go would not parse, or that uses what corral does not implement, is a TemplateError when compiled.
+`.Field`, `$x`) standing alone (`{{ .Prompt }}`, `{{ json .Tools }}`, `{{ $.System }}`). Ollama's
+TEMPLATEs are Go; GGUF `tokenizer.chat_template`s are Jinja. A Go template that Go would not parse, or
+that uses what corral does not implement, is a TemplateError when compiled (so `create` refuses it).
 
 BOS contract (the llama.cpp / Ollama behaviour): `ChatTemplate.render` never starts with the BOS
 token's text. Encode its output with `Tokenizer.encode(text, add_special=True, parse_special=True)`,

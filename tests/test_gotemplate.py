@@ -64,9 +64,9 @@ def render(source: str, data=DATA) -> str:
         ('{{ block "B" .S }}<{{ . }}>{{ end }}', "<str>"),
         ("{{ (index .Msgs 0).Content }}", "first"),
         ('{{ "x" | printf "%s-%s" "a" }}', "a-x"),
-        ('{{ "a\\tb\\u00e9\\x41" }}|{{ `a\\n` }}|{{ \'a\' }}', "a\tbéA|a\\n|97"),
+        ("{{ \"a\\tb\\u00e9\\x41\" }}|{{ `a\\n` }}|{{ 'a' }}", "a\tbéA|a\\n|97"),
         ("{{ $.S }}{{ with .Msgs }}{{ $.S }}{{ end }}", "strstr"),
-        ('{{ html "<a href=\'x\'>&</a>" }}', "&lt;a href=&#39;x&#39;&gt;&amp;&lt;/a&gt;"),
+        ("{{ html \"<a href='x'>&</a>\" }}", "&lt;a href=&#39;x&#39;&gt;&amp;&lt;/a&gt;"),
         ("{{ 0x1F }} {{ 1_000 }} {{ 2.50 }} {{ true }}", "31 1000 2.5 true"),
     ],
 )
@@ -133,7 +133,10 @@ def test_legacy_templates_render_each_turn_and_stop_after_the_last_response():
 
 def test_a_template_without_response_or_messages_gets_response_appended():
     template = OllamaTemplate("<{{ .Prompt }}>")
-    assert template.render([{"role": "user", "content": "u1"}, {"role": "assistant", "content": "a1"}, {"role": "user", "content": "u2"}]) == "<u1>a1<u2>"
+    assert (
+        template.render([{"role": "user", "content": "u1"}, {"role": "assistant", "content": "a1"}, {"role": "user", "content": "u2"}])
+        == "<u1>a1<u2>"
+    )
 
 
 def test_ollama_helpers():
@@ -145,27 +148,49 @@ def test_ollama_helpers():
     properties = {"a": {"type": "string"}, "b": {"type": "integer"}, "c": {"type": "array"}, "d": {"type": ["string", "null"]}}
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": properties}}}]
     today = datetime.date.today()
-    expected = f"{today.isoformat()} {(today - datetime.timedelta(days=1)).isoformat()} a: string; b: number; c: any[]; d: string | null; any"
+    expected = (
+        f"{today.isoformat()} {(today - datetime.timedelta(days=1)).isoformat()} a: string; b: number; c: any[]; d: string | null; any"
+    )
     assert template.render([{"role": "user", "content": "x"}], tools=tools) == expected
 
 
 def test_messages_and_tools_as_ollama_gives_them():
     template = OllamaTemplate(
-        "{{ .Tools }}|{{ range .Messages }}{{ .Role }}:{{ .Content }}:{{ .ToolCalls }}:{{ .ToolName }};{{ end }}|{{ .System }}|{{ .Response }}|{{ .Think }}"
+        "{{ .Tools }}|{{ range .Messages }}{{ .Role }}:{{ .Content }}:{{ .ToolCalls }}:{{ .ToolName }};{{ end }}"
+        "|{{ .System }}|{{ .Response }}|{{ .Think }}"
     )
-    messages = [{"role": "SYSTEM", "content": "s1"}, {"role": "system", "content": "s2"}, {"role": "Tool", "content": "42", "tool_name": "f"}]
+    messages = [
+        {"role": "SYSTEM", "content": "s1"},
+        {"role": "system", "content": "s2"},
+        {"role": "Tool", "content": "42", "tool_name": "f"},
+    ]
     # Roles are lower-cased, consecutive system messages merged, no tools print as JSON null.
     assert template.render(messages) == "null|system:s1\n\ns2:[]:;tool:42:[]:f;|s1\n\ns2||false"
 
 
 def test_tool_call_arguments_print_as_json_and_range_in_key_order():
-    template = OllamaTemplate("{{ range .Messages }}{{ range .ToolCalls }}{{ .Function.Arguments }} {{ range $k, $v := .Function.Arguments }}{{ $k }}={{ $v }},{{ end }}{{ end }}{{ end }}")
+    template = OllamaTemplate(
+        "{{ range .Messages }}{{ range .ToolCalls }}{{ .Function.Arguments }} "
+        "{{ range $k, $v := .Function.Arguments }}{{ $k }}={{ $v }},{{ end }}{{ end }}{{ end }}"
+    )
     call = {"function": {"name": "f", "arguments": {"z": 2, "a": {"y": 1, "x": [1.5, "<"]}, "n": 1000000}}}
     rendered = template.render([{"role": "assistant", "content": "", "tool_calls": [call]}])
     assert rendered == '{"a":{"x":[1.5,"\\u003c"],"y":1},"n":1000000,"z":2} a=map[x:[1.5 <] y:1],n=1e+06,z=2,'
 
 
-@pytest.mark.parametrize(("value", "g", "json_text"), [(1e21, "1e+21", "1e+21"), (123456.0, "123456", "123456"), (1234567.0, "1.234567e+06", "1234567"), (0.0001, "0.0001", "0.0001"), (0.00001, "1e-05", "0.00001"), (1e-7, "1e-07", "1e-7"), (-2.5, "-2.5", "-2.5"), (1e20, "1e+20", "100000000000000000000")])
+@pytest.mark.parametrize(
+    ("value", "g", "json_text"),
+    [
+        (1e21, "1e+21", "1e+21"),
+        (123456.0, "123456", "123456"),
+        (1234567.0, "1.234567e+06", "1234567"),
+        (0.0001, "0.0001", "0.0001"),
+        (0.00001, "1e-05", "0.00001"),
+        (1e-7, "1e-07", "1e-7"),
+        (-2.5, "-2.5", "-2.5"),
+        (1e20, "1e+20", "100000000000000000000"),
+    ],
+)
 def test_floats_print_as_go_prints_them(value, g, json_text):
     assert (format_float(value, "g"), format_float(value, "json")) == (g, json_text)
 

@@ -56,17 +56,27 @@ def test_generate_wraps_the_prompt_as_the_go_template_says(tiny):
     model = tiny.with_template(CHATML_GO)
     system = "You are a helpful assistant."
     assert model.prompt_ids("Hello, how are you?") == tiny.tokenize(expected("chatml.gotmpl", "user"))
-    assert model.prompt_ids("Hi", system=system) == tiny.tokenize(f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    assert model.prompt_ids("Hi", system=system) == tiny.tokenize(
+        f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    )
     assert model.prompt_ids("<|im_start|>x", raw=True) == tiny.tokenize("<|im_start|>x")
 
 
 def test_tools_and_tool_calls_reach_a_go_template(tiny):
     template = (
         "{{- range .Tools }}[{{ .Function.Name }}:{{ .Function.Parameters.Properties }}]{{ end }}"
-        "{{- range .Messages }}{{ .Role }}>{{ .Content }}{{ range .ToolCalls }}{{ .Function.Name }}{{ json .Function.Arguments }}{{ end }};{{ end }}"
+        "{{- range .Messages }}{{ .Role }}>{{ .Content }}"
+        "{{ range .ToolCalls }}{{ .Function.Name }}{{ json .Function.Arguments }}{{ end }};{{ end }}"
     )
-    tools = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object", "properties": {"city": {"type": "string", "default": "x"}}}}}]
-    messages = USER + [{"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "weather", "arguments": {"city": "Paris", "days": 3}}}]}]
+    tools = [
+        {
+            "type": "function",
+            "function": {"name": "weather", "parameters": {"type": "object", "properties": {"city": {"type": "string", "default": "x"}}}},
+        }
+    ]
+    messages = USER + [
+        {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "weather", "arguments": {"city": "Paris", "days": 3}}}]}
+    ]
     text = tiny.with_template(template).template.render(messages, tools=tools)
     # The property's unknown "default" is dropped and JSON numbers are float64, as Ollama decodes them.
     assert text == '[weather:{"city":{"type":"string"}}]user>Hello, how are you?;assistant>weather{"city":"Paris","days":3};'
@@ -140,7 +150,9 @@ async def test_api_generate_renders_a_request_template(http, tiny):
 
 
 async def test_api_create_refuses_a_broken_go_template(http):
-    response = await http.post("/api/create", json={"model": "broken", "from": TINY_LLAMA, "template": "{{ range .Messages }}", "stream": False})
+    response = await http.post(
+        "/api/create", json={"model": "broken", "from": TINY_LLAMA, "template": "{{ range .Messages }}", "stream": False}
+    )
     assert response.status_code == 400 and "TEMPLATE" in response.json()["error"]
     assert (await http.post("/api/show", json={"model": "broken"})).status_code == 404
 

@@ -118,13 +118,18 @@ def test_corral_writes_into_the_ollama_store_in_place(home):
     result = CliRunner().invoke(main, ["cp", "tinyzephyr", "me/zephyr:copy"], catch_exceptions=False)
     assert result.exit_code == 0, result.output
     copied = root / "manifests" / "registry.ollama.ai" / "me" / "zephyr" / "copy"
-    assert json.loads(copied.read_text())["layers"] == json.loads((root / "manifests/registry.ollama.ai/library/tinyzephyr/latest").read_text())["layers"]
+    assert (
+        json.loads(copied.read_text())["layers"]
+        == json.loads((root / "manifests/registry.ollama.ai/library/tinyzephyr/latest").read_text())["layers"]
+    )
     assert sorted(p.name for p in (root / "blobs").iterdir()) == blobs  # the copy shares every blob
     assert not (home / ".corral").exists()
 
 
 async def test_a_stored_template_corral_cannot_render_is_a_clear_400(tmp_path, nursery):
-    root = write_ollama_store(tmp_path / "models", write_tiny_llama(tmp_path / "tiny.gguf"), "{{ range .Messages }}{{ upper .Content }}{{ end }}")
+    root = write_ollama_store(
+        tmp_path / "models", write_tiny_llama(tmp_path / "tiny.gguf"), "{{ range .Messages }}{{ upper .Content }}{{ end }}"
+    )
     address = await nursery.start(serve, "127.0.0.1", 0, store.Store(root))
     async with httpx.AsyncClient(base_url=f"http://{address}", timeout=60) as client:
         for path, body in (("/api/chat", {"messages": [{"role": "user", "content": "hi"}]}), ("/api/generate", {"prompt": "hi"})):

@@ -30,7 +30,11 @@ _TOKEN = re.compile(
   | (?P<string>"(?:[^"\\\n]|\\.)*")
   | (?P<raw>`[^`]*`)
   | (?P<char>'(?:[^'\\\n]|\\[^\n]+?)')
-  | (?P<number>[+-]?(?:0[xX][0-9a-fA-F_]*\.?[0-9a-fA-F_]*(?:[pP][+-]?[0-9_]+)?|0[bBoO][0-9_]+|(?:[0-9][0-9_]*\.?[0-9_]*|\.[0-9][0-9_]*)(?:[eE][+-]?[0-9_]+)?)i?)
+  | (?P<number>[+-]?(?:
+        0[xX][0-9a-fA-F_]*\.?[0-9a-fA-F_]*(?:[pP][+-]?[0-9_]+)?
+      | 0[bBoO][0-9_]+
+      | (?:[0-9][0-9_]*\.?[0-9_]*|\.[0-9][0-9_]*)(?:[eE][+-]?[0-9_]+)?
+    )i?)
   | (?P<variable>\$[A-Za-z_0-9]*)
   | (?P<field>(?:\.[A-Za-z_][A-Za-z_0-9]*)+)
   | (?P<dot>\.)
@@ -81,7 +85,9 @@ def _action(source: str, pos: int, line: int, name: str) -> Iterator[Token]:
         line += source.count("\n", pos, after)
         if source.startswith(RIGHT, after):
             return after + 2, line, False
-        if source.startswith(" -" + RIGHT, after) or (source[after : after + 1] in tuple(_BLANKS) and source.startswith("-" + RIGHT, after + 1)):
+        if source.startswith(" -" + RIGHT, after) or (
+            source[after : after + 1] in tuple(_BLANKS) and source.startswith("-" + RIGHT, after + 1)
+        ):
             return after + 4, line, True
         raise TemplateError(f"template: {name}:{line}: comment ends before closing delimiter")
     yield Token("left", LEFT, line)

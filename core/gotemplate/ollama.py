@@ -208,4 +208,3 @@ def cut_after_response(root: n.ListNode) -> n.ListNode:
         return node
 
     return walk(copy.deepcopy(root))
-
