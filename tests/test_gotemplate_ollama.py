@@ -13,6 +13,7 @@ import pytest
 
 from corral.gotemplate import OllamaTemplate, TemplateError
 from corral.gotemplate.ollama import collate
+from corral.modelfile import ModelDefaults
 from corral.gotemplate import data
 
 DATA = pathlib.Path(__file__).parent / "data" / "ollama_templates"
@@ -83,3 +84,10 @@ def test_tool_arguments_and_properties(case):
         assert json.loads(rendered) == case["json"]
     else:
         assert rendered == case["expected"]
+
+
+@pytest.mark.parametrize("case", CASES["TestGenerateChat"]["cases"], ids=lambda case: case["name"])
+def test_chat_prompts_with_the_models_system(case):
+    """The model's SYSTEM goes first unless the chat starts with a system message of its own, as in Ollama."""
+    messages = ModelDefaults(system=case["system"]).chat_messages(case["messages"])
+    assert OllamaTemplate(CASES["TestGenerateChat"]["template"]).render(messages) == case["expected"]

@@ -43,9 +43,11 @@ class ModelDefaults:
         return self.options | given
 
     def chat_messages(self, messages: list[dict]) -> list[dict]:
-        """A chat's messages behind the MESSAGES, with the SYSTEM message unless the chat brings its own."""
+        """A chat's messages behind the MESSAGEs, with the SYSTEM message first unless the chat starts with its own
+        (Ollama's rule: a system message later in the chat does not replace the model's)."""
         preamble = [message.to_json() for message in self.messages]
-        if self.system and not any(m.get("role") == "system" for m in preamble + messages):
+        starts_with_system = (messages or preamble or [{}])[0].get("role") == "system"
+        if self.system and not starts_with_system:
             preamble.insert(0, {"role": "system", "content": self.system})
         return preamble + messages
 
