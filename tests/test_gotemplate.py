@@ -55,6 +55,7 @@ def render(source: str, data=DATA) -> str:
         ('{{ print 1 2 "a" 3 }}|{{ println "a" 1 }}|', "1 2a3|a 1\n|"),
         ('{{ printf "%d-%s-%v-%q-%5s|%-3d|" 3 "x" true "y" "ab" 7 }}', '3-x-true-"y"-   ab|7  |'),
         ('{{ printf "%s %s" "one" }}', "one %!s(MISSING)"),
+        ('{{ printf "%s|%d|%v|%s" 3 "x" nil nil }}', "%!s(int=3)|%!d(string=x)|<nil>|%!s(<nil>)"),
         ("{{ .Nope }}", "<no value>"),
         ("{{ print nil }} {{ .V.c }}", "<nil> [true <nil>]"),
         ("{{ .F }} {{ .G }} {{ .H }} {{ .M }} {{ .L }}", "1e+06 3 0.5 map[a:2 b:1] [1 2 3 4 5]"),

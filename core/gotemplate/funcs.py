@@ -183,8 +183,10 @@ def go_sprintf(format: Any, *args: Any) -> str:
 
 def _format_one(verb: str, arg: Any, flags: str, precision: str | None) -> str:
     digits = int(precision) if precision else (0 if precision == "" else None)
-    if verb in "vs":
-        text = sprint(arg)
+    if arg is None:
+        return "<nil>" if verb == "v" else f"%!{verb}(<nil>)"
+    if verb == "v" or (verb == "s" and not isinstance(arg, (bool, int, float))):
+        text = sprint(arg)  # Go's %s of a number is a bad verb; of anything else, its %v
         return text[:digits] if verb == "s" and digits is not None else text
     if verb == "q" and isinstance(arg, str):
         return quote_go(arg)
