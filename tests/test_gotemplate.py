@@ -44,6 +44,8 @@ def render(source: str, data=DATA) -> str:
         ("{{ range .L }}{{ if eq . 2 }}{{ continue }}{{ end }}{{ if eq . 4 }}{{ break }}{{ end }}{{ . }}{{ end }}", "13"),
         ("{{ with .Nope }}x{{ else with .S }}{{ . }}{{ end }}", "str"),
         ("{{ with .S }}{{ . }}{{ else }}no{{ end }}", "str"),
+        ("{{ range .E }}x{{ else if .S }}y{{ end }}{{ end }}", "y"),
+        ("{{ if .Empty }}x{{ else with .S }}{{ . }}{{ end }}{{ end }}", "str"),
         ('{{ if eq .Empty "x" }}a{{ else if eq .S "y" "str" }}b{{ else }}c{{ end }}', "b"),
         ('{{ eq .S "a" "b" "str" }} {{ ne 1 2 }} {{ eq .Nope "x" }}', "true true false"),
         ('{{ lt 1 2 }} {{ le 2 2 }} {{ gt "b" "a" }} {{ ge 1.5 2.5 }}', "true true true false"),
@@ -91,6 +93,7 @@ def test_go_semantics(source, expected):
         ('{{ "bad \\q" }}', "bad quoted string"),
         ("{{ .S | }}", "missing command"),
         ("{{ nil }}", "nil is not a command"),
+        ('{{ if .S }}{{ define "x" }}{{ end }}{{ end }}', "unexpected <define> in command"),
     ],
 )
 def test_parse_errors_are_go_errors(source, message):

@@ -78,6 +78,8 @@ class _Parser:
                     raise self.error(keyword, f"unexpected {{{{{keyword.value}}}}}")
                 self.next()
                 return items, keyword.value
+            if keyword.kind == "keyword" and keyword.value == "define" and not top:
+                raise self.error(keyword, "unexpected <define> in command")
             node = self.action(token)
             if node is not None:
                 items.nodes.append(node)
@@ -110,8 +112,14 @@ class _Parser:
                 else_list = n.ListNode([self.branch(follow)])
                 del self.vars[depth:]
                 return n.BranchNode(keyword.value, keyword.line, pipe, body, else_list)
-            self.expect("right", "else")
-            else_list, end = self.item_list()
+            if follow.kind == "keyword" and follow.value in ("if", "with"):
+                # Go reads `{{else if}}` in a range (or `{{else with}}` in an if) as `{{else}}{{if ...}}`.
+                first = self.action(follow)
+                else_list, end = self.item_list()
+                else_list.nodes.insert(0, first)
+            else:
+                self.expect("right", "else")
+                else_list, end = self.item_list()
             if end != "end":
                 raise self.error(keyword, "expected end; found {{else}}")
         self.expect("right", "end")
