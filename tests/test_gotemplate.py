@@ -227,3 +227,16 @@ def test_the_rule_tells_every_shipped_template_apart():
     assert jinja and len(go) == 20
     assert not [path.name for path in jinja if is_go_template(path.read_text())]
     assert all(is_go_template(path.read_text()) for path in go)
+
+
+def test_tools_encode_as_ollamas_go_types_do():
+    """omitempty drops empty slices and strings, but not an empty object held by an `any` or a pointer field."""
+    template = OllamaTemplate("{{ range .Messages }}{{ end }}{{ .Tools }}")
+    properties = {"o": {"type": "object", "properties": {}, "items": {}, "default": 1}, "p": {"type": "string", "enum": []}}
+    parameters = {"type": "object", "$defs": {}, "properties": properties, "additionalProperties": False}
+    tools = [{"type": "function", "items": {}, "function": {"name": "f", "parameters": parameters}, "strict": True}]
+    expected = (
+        '[{"type":"function","items":{},"function":{"name":"f","description":"","parameters":{"type":"object","$defs":{},'
+        '"properties":{"o":{"type":"object","items":{},"properties":{}},"p":{"type":"string"}}}}}]'
+    )
+    assert template.render([{"role": "user", "content": "x"}], tools=tools) == expected

@@ -16,8 +16,8 @@ from corral.gotemplate.errors import TemplateError
 from corral.gotemplate.values import GoMap, GoSlice, GoStruct, marshal
 
 
-def _json(name: str, omitempty: bool = False) -> dict:
-    return {"json": (name, omitempty)}
+def _json(name: str, omitempty: bool = False, nilable: bool = False) -> dict:
+    return {"json": (name, omitempty), "nilable": nilable}
 
 
 class JSONStringMap(GoMap):
@@ -54,10 +54,10 @@ class ToolProperty(GoStruct):
 
     AnyOf: list = attrs.field(factory=list, metadata=_json("anyOf", True))
     Type: PropertyType = attrs.field(factory=PropertyType, metadata=_json("type", True))
-    Items: Any = attrs.field(default=None, metadata=_json("items", True))
+    Items: Any = attrs.field(default=None, metadata=_json("items", True, nilable=True))
     Description: str = attrs.field(default="", metadata=_json("description", True))
     Enum: list = attrs.field(factory=list, metadata=_json("enum", True))
-    Properties: ToolPropertiesMap | None = attrs.field(default=None, metadata=_json("properties", True))
+    Properties: ToolPropertiesMap | None = attrs.field(default=None, metadata=_json("properties", True, nilable=True))
     Required: list = attrs.field(factory=list, metadata=_json("required", True))
 
     def to_typescript(self) -> str:
@@ -80,8 +80,8 @@ class ToolFunctionParameters(GoStruct):
     go_type = "template.templateToolFunctionParameters"
 
     Type: str = attrs.field(default="", metadata=_json("type"))
-    Defs: Any = attrs.field(default=None, metadata=_json("$defs", True))
-    Items: Any = attrs.field(default=None, metadata=_json("items", True))
+    Defs: Any = attrs.field(default=None, metadata=_json("$defs", True, nilable=True))
+    Items: Any = attrs.field(default=None, metadata=_json("items", True, nilable=True))
     Required: list = attrs.field(factory=list, metadata=_json("required", True))
     Properties: JSONStringMap = attrs.field(factory=JSONStringMap, metadata=_json("properties"))
 
@@ -100,7 +100,7 @@ class Tool(GoStruct):
     go_type = "template.templateTool"
 
     Type: str = attrs.field(default="", metadata=_json("type"))
-    Items: Any = attrs.field(default=None, metadata=_json("items", True))
+    Items: Any = attrs.field(default=None, metadata=_json("items", True, nilable=True))
     Function: ToolFunction = attrs.field(factory=ToolFunction, metadata=_json("function"))
 
     def go_string(self) -> str:

@@ -30,7 +30,8 @@ NO_VALUE = NoValue()
 class GoStruct:
     """Base of the attrs classes that stand for Go structs; attrs fields are the Go fields, in order.
 
-    A field's metadata `json` is its JSON name and whether it is omitted when empty: ("name", True).
+    A field's metadata `json` is its JSON name and whether it is omitted when empty: ("name", True);
+    `nilable` marks an interface or pointer field, which omitempty drops only when nil.
     """
 
     go_type: ClassVar[str] = "struct"
@@ -46,7 +47,7 @@ class GoStruct:
         for field in attrs.fields(type(self)):
             name, omitempty = field.metadata.get("json", (field.name, False))
             value = getattr(self, field.name)
-            if omitempty and _empty(value):
+            if omitempty and (value is None if field.metadata.get("nilable") else _empty(value)):
                 continue
             out[name] = value
         return out
