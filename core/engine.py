@@ -99,8 +99,8 @@ class LoadedModel:
         )
 
     def with_template(self, source: str) -> LoadedModel:
-        """The same loaded weights rendering chats with `source` (a Jinja chat template, e.g. a Modelfile's
-        TEMPLATE) instead of the file's; this model keeps its own template."""
+        """The same loaded weights rendering chats with `source` (a Jinja chat template or an Ollama Go
+        template, e.g. a Modelfile's TEMPLATE) instead of the file's; this model keeps its own template."""
         metadata = {**self.gguf.metadata, "tokenizer.chat_template": source}
         other = copy.copy(self)
         other.template = ChatTemplate.from_metadata(metadata, self.model.default_chat_template())

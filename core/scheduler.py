@@ -30,6 +30,7 @@ from corral.runner.interface import Runner
 from corral.runner.process import RunnerProcess
 from corral.runner.runtime import Runtime
 from corral.store import Store, default_store, parse_name
+from corral.template import TemplateError, compile_template
 
 log = logging.getLogger(__name__)
 
@@ -273,8 +274,14 @@ class Scheduler:
         return RunnerProcess.open(path, **sizes, template=template, num_thread=num_thread)
 
     def _template(self, name: str) -> str | None:
-        """A Modelfile TEMPLATE to use instead of the file's, when it is a Jinja chat template."""
-        return model_defaults(self.store, name).chat_template(name)
+        """A Modelfile TEMPLATE to use instead of the file's (Jinja or Go), checked before any runner starts."""
+        template = model_defaults(self.store, name).chat_template(name)
+        if template:
+            try:
+                compile_template(template)  # before a runner starts: a clear 400, not a failed load
+            except TemplateError as error:
+                raise TemplateError(f"model '{name}' has a TEMPLATE corral cannot use: {error}") from None
+        return template
 
     def _release(self, entry: Loaded, keep_alive: float) -> None:
         entry.users -= 1

@@ -40,6 +40,7 @@ from corral.errors import CorralError, InvalidModelNameError, ModelNotFoundError
 log = logging.getLogger(__name__)
 
 DEFAULT_ROOT = "~/.corral/models"
+OLLAMA_ROOT = "~/.ollama/models"  # Ollama's own store, used in place when corral has none (`default_store`)
 # Ollama's registry host, so names and paths line up with an existing ~/.ollama/models.
 DEFAULT_HOST = "registry.ollama.ai"
 DEFAULT_NAMESPACE = "library"
@@ -345,8 +346,14 @@ class Store:
             return writer.commit(digest)
 
     def manifest_path(self, name: str | ModelName) -> Path:
-        """Where the manifest of a name lives (whether or not it exists)."""
-        return self.manifests_dir.joinpath(*parse_name(name).parts)
+        """Where the manifest of a name lives (whether or not it exists).
+
+        Names are case-insensitive, as in Ollama, whose store keeps them as typed
+        (`hf.co/bartowski/Llama-3.2-1B-Instruct-GGUF/Q4_K_M`): an existing path that differs in case only is used.
+        """
+        parts = parse_name(name).parts
+        path = self.manifests_dir.joinpath(*parts)
+        return path if path.exists() else _existing_in_any_case(self.manifests_dir, parts) or path
 
     def manifest(self, name: str | ModelName) -> Manifest | None:
         """The manifest of a model, or None if the store does not have it."""
@@ -552,6 +559,21 @@ def pull_source(name: str | ModelName) -> str:
     return "registry"
 
 
+def _existing_in_any_case(root: Path, parts: Iterable[str]) -> Path | None:
+    """The existing path under `root` whose components equal `parts` (lower-case) but for case, or None."""
+    path = root
+    for part in parts:
+        exact = path / part
+        if exact.exists():
+            path = exact
+            continue
+        try:
+            path = next(entry for entry in path.iterdir() if entry.name.lower() == part)
+        except (StopIteration, OSError):
+            return None
+    return path
+
+
 def _layer_progress(package: PackagedModel, completed: int) -> dict:
     hex_digest = package.digest.removeprefix("sha256:")
     return {
@@ -585,8 +607,19 @@ def _write_atomically(path: Path, data: bytes) -> None:
 
 
 def default_store() -> Store:
-    """The store at $CORRAL_MODELS, or ~/.corral/models."""
-    return Store(os.environ.get("CORRAL_MODELS") or DEFAULT_ROOT)
+    """The store corral uses: the first of $CORRAL_MODELS, $OLLAMA_MODELS, an existing ~/.corral/models,
+    an existing ~/.ollama/models (one with manifests), else ~/.corral/models (created on first write).
+
+    An Ollama store is used in place, read and written, so what Ollama pulled runs without a second copy
+    and what corral creates there Ollama lists too: the layout and media types are Ollama's.
+    """
+    for variable in ("CORRAL_MODELS", "OLLAMA_MODELS"):
+        if os.environ.get(variable):
+            return Store(os.environ[variable])
+    corral, ollama = Path(DEFAULT_ROOT).expanduser(), Path(OLLAMA_ROOT).expanduser()
+    if not corral.exists() and (ollama / "manifests").is_dir():
+        return Store(ollama)
+    return Store(corral)
 
 
 def pull(name: str | ModelName, progress: Progress | None = None, insecure: bool = False) -> Manifest:

@@ -1,7 +1,15 @@
-"""Chat templates: the model's `tokenizer.chat_template` rendered as Hugging Face does, or a default one.
+"""Chat templates: the model's `tokenizer.chat_template` rendered as Hugging Face does, or a default one;
+an Ollama TEMPLATE (Go text/template) rendered as Ollama does.
 
 A file without a template gets its architecture's default (`Model.default_chat_template`, e.g.
 Gemma's turns), else ChatML.
+
+Jinja or Go is decided by syntax (`is_go_template`), never by trying one and then the other: a template
+is Go when it has no Jinja statement or comment (`{%`, `{#`) and an action that only Go writes: one
+starting with a Go keyword (`{{- range .Messages }}`, `{{ if`, `{{ end }}`) or with a Go operand (`.`,
+`.Field`, `$x`) standing alone (`{{ .Prompt }}`, `{{ json .Tools }}`, `{{ $.System }}`). Ollama's
+TEMPLATEs are Go; GGUF `tokenizer.chat_template`s are Jinja. A Go template that Go would not parse, or
+that uses what corral does not implement, is a TemplateError when compiled (so `create` refuses it).
 
 BOS contract (the llama.cpp / Ollama behaviour): `ChatTemplate.render` never starts with the BOS
 token's text. Encode its output with `Tokenizer.encode(text, add_special=True, parse_special=True)`,
@@ -14,6 +22,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import re
 from typing import Any
 
 import attrs
@@ -23,7 +32,8 @@ import jinja2.nodes
 import jinja2.parser
 import jinja2.sandbox
 
-from corral.errors import CorralError
+from corral.gotemplate import OllamaTemplate
+from corral.gotemplate.errors import TemplateError
 from corral.tokenizer import adds_bos
 
 CHATML = (
@@ -34,23 +44,41 @@ CHATML = (
 )
 
 
-class TemplateError(CorralError):
-    """A chat template that does not compile, or that fails on the messages it is given."""
+# An action that only Go writes: a Go keyword first, or a Go operand (`.`, `.Field`, `$x`) after a blank, `(` or `|`.
+_GO_ACTION = re.compile(r"\{\{-?\s*(range|if|with|else|end|template|define|block)\b|\{\{-?(?:[^}]*?[\s(|])?[.$]")
+_JINJA_TAG = re.compile(r"\{[%#]")
+
+__all__ = ["CHATML", "ChatTemplate", "TemplateError", "compile_template", "is_go_template", "renders_suffix", "renders_tools"]
+
+
+def is_go_template(text: str) -> bool:
+    """Whether a template is Go template syntax (`{{ .Prompt }}`, `{{ range .Messages }}`), not Jinja."""
+    return not _JINJA_TAG.search(text) and bool(_GO_ACTION.search(text))
+
+
+def compile_template(source: str) -> jinja2.Template | OllamaTemplate:
+    """A template compiled by its syntax's engine; TemplateError when it does not compile (what create checks)."""
+    return OllamaTemplate(source) if is_go_template(source) else _compile(source)
 
 
 @attrs.frozen
 class ChatTemplate:
-    """A compiled Jinja chat template with the special-token text it is rendered with."""
+    """A compiled chat template (Jinja, or an Ollama Go template) with the special-token text it is rendered with."""
 
     source: str
     bos_token: str = ""
     eos_token: str = ""
     strip_bos: bool = False
-    _template: jinja2.Template = attrs.field(init=False, repr=False, eq=False)
+    _template: jinja2.Template | OllamaTemplate = attrs.field(init=False, repr=False, eq=False)
 
     @_template.default
-    def _compile_source(self) -> jinja2.Template:
-        return _compile(self.source)
+    def _compile_source(self) -> jinja2.Template | OllamaTemplate:
+        return compile_template(self.source)
+
+    @property
+    def is_go(self) -> bool:
+        """Whether this is an Ollama (Go) template."""
+        return isinstance(self._template, OllamaTemplate)
 
     @classmethod
     def from_metadata(cls, metadata: dict[str, Any], default: str | None = None) -> ChatTemplate:
@@ -71,7 +99,14 @@ class ChatTemplate:
         tools: list[dict[str, Any]] | None = None,
         **extra: Any,
     ) -> str:
-        """The prompt text for `messages`, ending with the assistant's turn opener when asked."""
+        """The prompt text for `messages`, ending with the assistant's turn opener when asked.
+
+        A Go template renders as Ollama renders it (it always ends where the reply starts, so
+        `add_generation_prompt` does not apply; `think` in `extra` sets `.Think`).
+        """
+        if self.is_go:
+            text = self._template.render(messages, tools=tools, think=bool(extra.get("think")), is_think_set="think" in extra)
+            return self._without_bos(text)
         context = {
             "bos_token": self.bos_token,
             "eos_token": self.eos_token,
@@ -88,9 +123,31 @@ class ChatTemplate:
             raise TemplateError(f"the chat template failed: {exc}") from exc
         except (TypeError, ValueError, LookupError, AttributeError, ArithmeticError) as exc:
             raise TemplateError(f"the chat template failed on these messages: {exc!r}") from exc
+        return self._without_bos(text)
+
+    def _without_bos(self, text: str) -> str:
         if self.strip_bos and self.bos_token and text.startswith(self.bos_token):
             text = text[len(self.bos_token) :]
         return text
+
+
+def renders_tools(source: str) -> bool:
+    """Whether a template renders the tools on offer: a Go one names `.Tools` (as Ollama checks), a Jinja one `tools`."""
+    if is_go_template(source):
+        return "tools" in _go_vars(source)
+    return "tools" in source
+
+
+def renders_suffix(source: str) -> bool:
+    """Whether a template fills in the middle (Ollama's "insert" capability): a Go one naming `.Suffix`."""
+    return is_go_template(source) and "suffix" in _go_vars(source)
+
+
+def _go_vars(source: str) -> frozenset[str]:
+    try:
+        return OllamaTemplate(source).vars
+    except TemplateError:
+        return frozenset()
 
 
 class _GenerationBlock(jinja2.ext.Extension):

@@ -23,6 +23,7 @@ from corral.gguf import GGUFFile
 from corral.modelfile.defaults import stored_parameters
 from corral.modelfile.syntax import IGNORED_PARAMETERS, Message, Modelfile, ModelfileError
 from corral.options import STANDARD_OPTIONS, InvalidOptionError, parse_options
+from corral.template import TemplateError, compile_template
 from corral.store import (
     LICENSE_MEDIA_TYPE,
     MESSAGES_MEDIA_TYPE,
@@ -105,6 +106,8 @@ Progress = Callable[[dict], None]
 
 def check_spec(store: Store, spec: ModelSpec) -> tuple[Layer, ...]:
     """Validate a spec without writing anything; returns the base model's layers (empty for a GGUF)."""
+    if spec.template:
+        _check_template(spec.template)
     if spec.from_model is not None:
         base = parse_name(spec.from_model)
         manifest = store.manifest(base)
@@ -121,6 +124,14 @@ def check_spec(store: Store, spec: ModelSpec) -> tuple[Layer, ...]:
     else:
         _check_gguf(spec.gguf_path, str(spec.gguf_path))
     return ()
+
+
+def _check_template(source: str) -> None:
+    """A TEMPLATE must compile (Jinja, or Go as Ollama parses it): refused at create, never at the first chat."""
+    try:
+        compile_template(source)
+    except TemplateError as error:
+        raise CreateModelError(f"TEMPLATE: {error}") from None
 
 
 def _check_gguf(path: Path, what: str) -> None:

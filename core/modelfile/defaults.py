@@ -10,7 +10,7 @@ from typing import Any
 import attrs
 
 from corral.errors import ModelNotFoundError
-from corral.modelfile.syntax import IGNORED_PARAMETERS, Message, Modelfile, is_go_template, render_value
+from corral.modelfile.syntax import IGNORED_PARAMETERS, Message, Modelfile, render_value
 from corral.options import STANDARD_OPTIONS, InvalidOptionError, parse_options
 from corral.store import (
     LICENSE_MEDIA_TYPE,
@@ -43,17 +43,16 @@ class ModelDefaults:
         return self.options | given
 
     def chat_messages(self, messages: list[dict]) -> list[dict]:
-        """A chat's messages behind the MESSAGES, with the SYSTEM message unless the chat brings its own."""
+        """A chat's messages behind the MESSAGEs, with the SYSTEM message first unless the chat starts with its own
+        (Ollama's rule: a system message later in the chat does not replace the model's)."""
         preamble = [message.to_json() for message in self.messages]
-        if self.system and not any(m.get("role") == "system" for m in preamble + messages):
+        starts_with_system = (messages or preamble or [{}])[0].get("role") == "system"
+        if self.system and not starts_with_system:
             preamble.insert(0, {"role": "system", "content": self.system})
         return preamble + messages
 
     def chat_template(self, model: str) -> str | None:
-        """The TEMPLATE to render `model`'s chats with instead of its file's: only a Jinja one (a Go one is warned of)."""
-        if self.template and is_go_template(self.template):
-            log.warning("%s: its TEMPLATE is an Ollama Go template, which corral cannot render; using the file's", model)
-            return None
+        """The TEMPLATE to render `model`'s chats with instead of its file's (Jinja or Ollama's Go: corral.template decides)."""
         return self.template or None
 
     def to_modelfile(self, from_: str) -> Modelfile:

@@ -12,15 +12,14 @@ start of a line, a value runs to the end of its line unless it is quoted, and a 
 `\"\"\"...\"\"\"`) may span lines and ends at the first line end where the closing quotes stand. There are
 no escapes, so a value with a line ending in `\"\"\"` cannot be written in a Modelfile (nor in Ollama's).
 
-TEMPLATE text is kept as given: corral renders Jinja (Hugging Face chat templates), and Ollama's own
-Modelfiles carry Go templates; `is_go_template` tells the two apart.
+TEMPLATE text is kept as given: Hugging Face chat templates are Jinja and Ollama's own Modelfiles carry
+Go templates; corral renders both, and `is_go_template` (corral.template) tells the two apart.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import re
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +27,7 @@ import attrs
 
 from corral.errors import CorralError
 from corral.options import InvalidOptionError, parse_option_text
+from corral.template import is_go_template as is_go_template  # where the rule lives; exported here as before
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,6 @@ _UNSUPPORTED = {
     "parser": "PARSER is not supported by corral",
     "requires": "REQUIRES is not supported by corral",
 }
-_GO_ACTION = re.compile(r"\{\{-?\s*(\.|\$|(range|if|with|else|end|template|define|block)\b)")
 
 
 class ModelfileError(CorralError):
@@ -241,7 +240,3 @@ def _add_parameter(parameters: dict[str, Any], name: str, text: str, line: int) 
     else:
         parameters[name] = value  # the last one wins, as in Ollama
 
-
-def is_go_template(text: str) -> bool:
-    """Whether a template is Go template syntax (`{{ .Prompt }}`, `{{ range .Messages }}`), not Jinja."""
-    return bool(_GO_ACTION.search(text))

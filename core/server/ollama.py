@@ -15,6 +15,8 @@ from corral.scheduler import parse_keep_alive
 from corral.server import generation
 from corral.server.http import ApiError, field, ndjson_response, now_rfc3339, read_json
 from corral.server.state import state
+from corral.gotemplate import OllamaTemplate
+from corral.template import ChatTemplate, renders_suffix
 
 bp = quart.Blueprint("ollama", __name__)
 
@@ -115,6 +117,24 @@ async def _load_or_unload(req: dict, base: dict) -> dict:
     return base | {"done": True, "done_reason": "load"}
 
 
+async def _templated_prompt(model: str, source: str | None, prompt: str, suffix: str, system: str | None, context: list | None) -> str:
+    """The prompt Ollama renders itself before sending it raw: with a `suffix`, the template's fill-in-the-middle
+    form (.Prompt, .Suffix); else the request's template over the system message (the request's, else the
+    model's), the model's MESSAGEs unless a `context` continues a conversation, and the prompt as the user's turn."""
+    defaults = await trio.to_thread.run_sync(model_defaults, state().store, model)
+    if suffix:
+        source = source or defaults.template or ""
+        if not renders_suffix(source):
+            raise ApiError(400, f"{model} does not support insert")
+        return OllamaTemplate(source).render(prompt=prompt, suffix=suffix)
+    template = ChatTemplate(source)  # a template that does not compile is a TemplateError: 400
+    system = system or defaults.system
+    messages = [{"role": "system", "content": system}] if system else []
+    if context is None:
+        messages += [message.to_json() for message in defaults.messages]
+    return template.render(messages + [{"role": "user", "content": prompt}])
+
+
 @bp.post("/api/generate")
 async def generate():
     body = await read_json()
@@ -125,16 +145,22 @@ async def generate():
     context = field(body, "context", list, None)
     if raw and (system or context or body.get("template")):
         raise ApiError(400, "raw mode does not support template, system, or context")
+    template = field(body, "template", str, None)
+    suffix = field(body, "suffix", str, "")
     state().scheduler.resolve(req["model"])
     base = {"model": req["model"], "created_at": now_rfc3339(), "response": ""}
     if not prompt and not body.get("images"):
         return await _load_or_unload(req, base)
+    templated = bool(template or suffix) and not raw
+    if templated:
+        # As Ollama: a request's template or a suffix renders the prompt here, which then goes to the model raw.
+        prompt = await _templated_prompt(req["model"], template, prompt, suffix, system, context)
 
     def start(run: generation.Prepared):
         return run.runtime.generate(
-            prompt, run.options, raw=raw, system=system or (None if raw else run.defaults.system), context=context,
-            shift=req["shift"], logprobs=req["logprobs"], top_logprobs=req["top_logprobs"], format=req["format"],
-        )
+            prompt, run.options, raw=raw or templated, system=None if templated else system or (None if raw else run.defaults.system),
+            context=context, shift=req["shift"], logprobs=req["logprobs"], top_logprobs=req["top_logprobs"], format=req["format"],
+        )  # fmt: skip
 
     def chunk_obj(chunk: Chunk) -> dict:
         out = {"model": req["model"], "created_at": now_rfc3339(), "response": chunk.text, "done": False}

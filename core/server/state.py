@@ -13,6 +13,7 @@ from corral.modelfile.defaults import model_defaults
 from corral.scheduler import Scheduler
 from corral.server.http import ApiError
 from corral.store import Store
+from corral.template import renders_suffix, renders_tools
 
 
 @attrs.define
@@ -41,9 +42,10 @@ def state() -> ServerState:
 
 
 def model_capabilities(store: Store, name: str) -> list[str]:
-    """What a model can do: always "completion"; "tools" when its chat template renders tools."""
+    """What a model can do: always "completion"; "tools" when its chat template renders tools, "insert" when
+    it renders a suffix."""
     template = model_defaults(store, name).template or GGUFFile.open(store.model_path(name)).get("tokenizer.chat_template", "")
-    return ["completion"] + (["tools"] if "tools" in template else [])
+    return ["completion"] + (["tools"] if renders_tools(template) else []) + (["insert"] if renders_suffix(template) else [])
 
 
 def describe_gguf(path: Any) -> dict:
