@@ -44,6 +44,7 @@ class DecoderConfig:
     expert_count: int = gguf_key("expert_count", default=0)
     expert_used_count: int = gguf_key("expert_used_count", default=0)
     expert_feed_forward_length: int = gguf_key("expert_feed_forward_length", default=0)
+    pooling_type: int = gguf_key("pooling_type", default=0)  # an embedding model's pooling (Qwen3-Embedding: 3, last token)
 
     @property
     def kv_heads(self) -> int:
@@ -124,9 +125,18 @@ class DecoderModel(Model):
         rope = self.rope(layer)
         return keys if rope is None else ctx.rope(keys, delta, attrs.evolve(rope, rotation_only=True))
 
-    def forward(self, ctx: Any, batch: Batch, cache: Any) -> Any:
+    def hidden_states(self, ctx: Any, batch: Batch, cache: Any) -> Any:
+        """The output rows after the final norm: what a decoder embedding model (Qwen3-Embedding) pools."""
+        x = ctx.rows(self.blocks_output(ctx, batch, cache), ctx.input(batch.outputs))
+        return self.output_norm(ctx, x, self.config.rms_eps)
+
+    def blocks_output(self, ctx: Any, batch: Batch, cache: Any) -> Any:
+        """Every row's hidden state after the last block."""
         positions = ctx.input(batch.positions)
         x = self.embed(ctx, ctx.input(batch.inputs))
         for i, block in enumerate(self.blocks):
             x = block(ctx, x, positions, cache, i, self)
-        return self.logits(ctx, ctx.rows(x, ctx.input(batch.outputs)))
+        return x
+
+    def forward(self, ctx: Any, batch: Batch, cache: Any) -> Any:
+        return self.logits(ctx, ctx.rows(self.blocks_output(ctx, batch, cache), ctx.input(batch.outputs)))

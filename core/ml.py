@@ -115,6 +115,10 @@ class Context(Protocol):
         value (gpt-oss's attention sinks).
         """
 
+    def bidirectional_attention(self, q: Tensor, k: Tensor, v: Tensor, lengths: Sequence[int], scale: float) -> Tensor:
+        """Encoder attention without a cache: q, k, v [n, heads, d] hold consecutive runs of `lengths`
+        rows, one run per sequence, and each row attends to every row of its own run -> [n, heads * dv]."""
+
     def cached_keys(self, keys: Any, cells: Tensor) -> Tensor:
         """Keys stored in a cache buffer at `cells`, as [n, kv_heads, dim]."""
 

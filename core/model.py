@@ -241,6 +241,23 @@ class Model:
         """Build the graph for `batch` and return the logits of `batch.outputs` rows [k, vocab]."""
         raise NotImplementedError
 
+    # llama.cpp's LLAMA_POOLING_TYPE_* as `<arch>.pooling_type` stores them; None: the model does not embed.
+    POOLING_TYPES: ClassVar[dict[int, str | None]] = {0: None, 1: "mean", 2: "cls", 3: "last", 4: "rank"}
+
+    @property
+    def pooling(self) -> str | None:
+        """How an embedding pools this model's hidden states ("mean", "cls", "last"), from the file; None: it does not embed."""
+        return self.POOLING_TYPES.get(int(getattr(self.config, "pooling_type", 0) or 0))
+
+    @property
+    def generates(self) -> bool:
+        """Whether the model predicts tokens (a decoder); an encoder only embeds."""
+        return bool(self.cache_layers())
+
+    def hidden_states(self, ctx: Any, batch: Batch, cache: Any) -> Any:
+        """The final hidden states of the `batch.outputs` rows [k, dim], the rows an embedding pools."""
+        raise NotImplementedError(f"{type(self).__name__} does not give hidden states for embeddings")
+
     def shift_keys(self, ctx: Any, layer: int, keys: Any, delta: Any) -> Any:
         """Re-rotate cached keys [n, kv_heads, dim] of `layer` by `delta` positions (context shift)."""
         raise NotImplementedError(f"{type(self).__name__} cannot shift its cache; generation ends at num_ctx")

@@ -67,7 +67,10 @@ class RunnerServer:
             elif op == "detokenize":
                 result = await self.runtime.detokenize(args["ids"])
             elif op == "embed":
-                result = await self.runtime.embed(args["inputs"], truncate=args.get("truncate", True))
+                embedded = await self.runtime.embed(
+                    args["inputs"], truncate=args.get("truncate", True), dimensions=args.get("dimensions"), normalized=args.get("normalized", True)
+                )
+                result = embedded.to_json()
             elif op == "status":
                 result = self.runtime.status().to_json()
             else:

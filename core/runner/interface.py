@@ -9,7 +9,7 @@ process can send it over the wire and the parent can hand it on unchanged.
 from __future__ import annotations
 
 import contextlib
-from typing import AsyncIterator, Awaitable, Callable, Protocol, runtime_checkable
+from typing import AsyncIterator, Awaitable, Callable, Protocol, Sequence, runtime_checkable
 
 import attrs
 import trio
@@ -22,6 +22,25 @@ from corral.runner.stream import Chunk
 
 class EmbeddingsUnsupportedError(CorralError, ValueError):
     """The model was not built to produce embeddings (it has no pooling)."""
+
+
+class GenerationUnsupportedError(CorralError, ValueError):
+    """The model only embeds (an encoder): it cannot generate text."""
+
+
+@attrs.frozen
+class Embeddings:
+    """The vectors of one embed call, in input order, and the tokens they were computed from."""
+
+    embeddings: list[list[float]]
+    prompt_eval_count: int
+
+    def to_json(self) -> dict:
+        return attrs.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> Embeddings:
+        return cls(data["embeddings"], int(data["prompt_eval_count"]))
 
 
 @attrs.define
@@ -154,8 +173,11 @@ class Runner(Protocol):
     async def detokenize(self, ids: list[int]) -> str:
         """Text of token ids."""
 
-    async def embed(self, inputs: list[str], truncate: bool = True) -> list[list[float]]:
-        """One L2-normalised embedding per input; EmbeddingsUnsupportedError for a model without pooling."""
+    async def embed(
+        self, inputs: Sequence[str | Sequence[int]], truncate: bool = True, dimensions: int | None = None, normalized: bool = True
+    ) -> Embeddings:
+        """One embedding per input (text or token ids), L2-normalised unless `normalized` is false;
+        EmbeddingsUnsupportedError for a model without pooling."""
 
     def status(self) -> RunnerStatus:
         """The runner's gauges and counters (a child process's as of its last health check)."""

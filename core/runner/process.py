@@ -24,12 +24,12 @@ import signal
 import subprocess
 import sys
 import tempfile
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Sequence
 
 import trio
 
 from corral.engine import ModelInfo
-from corral.runner.interface import RunnerStatus, Stream
+from corral.runner.interface import Embeddings, RunnerStatus, Stream
 from corral.runner.stream import Chunk
 from corral.runner.wire import JsonLines, RunnerError, chunk_from_json, error_from_json  # noqa: F401 (RunnerError is re-exported)
 
@@ -235,9 +235,13 @@ class RunnerProcess:
         """Stop the child (SIGTERM, then SIGKILL); requests in flight end with RunnerDiedError."""
         await self._stop()
 
-    async def embed(self, inputs: list[str], truncate: bool = True) -> list[list[float]]:
+    async def embed(
+        self, inputs: Sequence[str | Sequence[int]], truncate: bool = True, dimensions: int | None = None, normalized: bool = True
+    ) -> Embeddings:
         """One embedding per input, computed by the child."""
-        return await self._call("embed", inputs=list(inputs), truncate=truncate)
+        inputs = [item if isinstance(item, str) else list(item) for item in inputs]
+        result = await self._call("embed", inputs=inputs, truncate=truncate, dimensions=dimensions, normalized=normalized)
+        return Embeddings.from_json(result)
 
     def generate(
         self,

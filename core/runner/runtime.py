@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import functools
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Callable, Sequence
 
 import attrs
 import trio
@@ -25,10 +25,12 @@ from corral.errors import CorralError
 from corral.grammar import Grammar, GrammarMatcher, compile_format
 from corral.kvcache import CausalCache, runtime_cells
 from corral.options import InvalidOptionError, Options, parse_options
+from corral.pooling import POOLINGS, normalize, shorten
 from corral.registry import Plugins
 from corral.runner import compute
 from corral.runner.batching import EVENT_BUFFER, BatchingActor, Sequence
-from corral.runner.interface import EmbeddingsUnsupportedError, RunnerStatus, RuntimeStats, Stream
+from corral.runner.embedding import EmbeddingActor
+from corral.runner.interface import Embeddings, EmbeddingsUnsupportedError, GenerationUnsupportedError, RunnerStatus, RuntimeStats, Stream
 from corral.runner.sequence import SequenceActor, truncate_prompt
 from corral.runner.slots import SlotPool
 from corral.runner.stream import Chunk
@@ -37,6 +39,10 @@ from corral.sample import MAX_TOP_LOGPROBS, SamplerChain, SequenceSampler
 
 class InvalidPromptError(CorralError, ValueError):
     """The prompt is empty, or its context holds token ids outside the model's vocabulary."""
+
+
+class InputTooLongError(CorralError, ValueError):
+    """An input to embed is longer than the context and the request said not to truncate it."""
 
 
 class RequestState(enum.Enum):
@@ -83,6 +89,8 @@ class Runtime:
         self.chain = SamplerChain(plugins)
         self.cache = cache
         self.batcher = BatchingActor(model, self.cache, self.chain, num_batch)  # steps run on the compute thread, one at a time
+        # A pass takes at least one whole input: an input may be as long as the context.
+        self.embedder = EmbeddingActor(model, max(num_batch, self.num_ctx)) if model.model.pooling is not None else None
         self.slots = SlotPool(num_parallel)
         self.stats = RuntimeStats()
         self.exited = trio.Event()
@@ -122,6 +130,8 @@ class Runtime:
         async with trio.open_nursery() as nursery:
             runtime = cls(loaded, cache, nursery, plugins, num_parallel, num_ctx, num_batch)
             await nursery.start(runtime.batcher.run)
+            if runtime.embedder is not None:
+                await nursery.start(runtime.embedder.run)
             try:
                 yield runtime
             finally:
@@ -164,9 +174,30 @@ class Runtime:
         self.exited.set()
         self._nursery.cancel_scope.cancel()
 
-    async def embed(self, inputs: list[str], truncate: bool = True) -> list[list[float]]:
-        """Embeddings of `inputs`: refused, as no installed architecture pools its hidden states yet."""
-        raise EmbeddingsUnsupportedError(f"{self.info.name} does not support embeddings; use an embedding model")
+    async def embed(
+        self, inputs: Sequence[str | Sequence[int]], truncate: bool = True, dimensions: int | None = None, normalized: bool = True
+    ) -> Embeddings:
+        """One vector per input (a text, or token ids), pooled as the model says; batched with other requests'.
+
+        An input longer than the context is cut to it (keeping the closing special token, [SEP] or
+        EOS, as Hugging Face's tokenizers truncate), or refused with InputTooLongError when
+        `truncate` is false. `dimensions` keeps the first features; `normalized` scales to unit length.
+        """
+        pooling = self.model.model.pooling
+        if self.embedder is None or pooling not in POOLINGS:
+            how = f" (it pools by {pooling!r}, which corral does not do)" if pooling else "; use an embedding model"
+            raise EmbeddingsUnsupportedError(f"{self.info.name} does not support embeddings{how}")
+        if dimensions is not None and (isinstance(dimensions, bool) or not isinstance(dimensions, int) or dimensions < 1):
+            raise InvalidOptionError(f"dimensions must be a positive integer, got {dimensions!r}")
+        ids = await trio.to_thread.run_sync(self._embedding_ids, list(inputs), truncate)
+        if not ids:
+            return Embeddings([], 0)
+        self.stats.requests += 1
+        self.stats.prompt_tokens += sum(map(len, ids))
+        vectors = shorten(await self.embedder.embed(ids), dimensions)
+        if normalized:
+            vectors = normalize(vectors)
+        return Embeddings(vectors.tolist(), sum(map(len, ids)))
 
     # --- public API -----------------------------------------------------------------------
     def parse_options(self, options: dict | None) -> Options:
@@ -232,6 +263,34 @@ class Runtime:
     def _num_ctx(self, opts: Options) -> int:
         return min(opts.num_ctx or self.num_ctx, self.num_ctx)
 
+    def _embedding_ids(self, inputs: list[str | Sequence[int]], truncate: bool) -> list[list[int]]:
+        """Each input's token ids, within the context."""
+        vocab = self.model.tokenizer.vocab_size
+        suffix = self._closing_tokens()
+        out = []
+        for index, item in enumerate(inputs):
+            if isinstance(item, str):
+                ids, keep = self.model.tokenize(item), suffix
+            else:
+                ids, keep = [int(token) for token in item], []
+                if not all(0 <= token < vocab for token in ids):
+                    raise InvalidPromptError(f"input {index} has token ids outside the vocabulary of {vocab} tokens")
+            if not ids:
+                raise InvalidPromptError(f"input {index} is empty: it has no tokens to embed")
+            if len(ids) > self.num_ctx:
+                if not truncate:
+                    raise InputTooLongError(
+                        f"input {index} is {len(ids)} tokens, longer than the context of {self.num_ctx}; shorten it or allow truncation"
+                    )
+                ids = ids[: self.num_ctx - len(keep)] + keep
+            out.append(ids)
+        return out
+
+    def _closing_tokens(self) -> list[int]:
+        """The special tokens the tokenizer puts after a text ([SEP]; EOS where the model adds it)."""
+        framing = self.model.tokenize("")
+        return framing[1:] if self.model.tokenizer.add_bos and framing else framing
+
     def _fit_messages(self, messages: list[dict], num_ctx: int, tools: list[dict] | None = None) -> list[int]:
         # Drop the oldest turns (never a system message, never the last one) until the prompt fits.
         messages = list(messages)
@@ -257,6 +316,8 @@ class Runtime:
         if isinstance(top_logprobs, bool) or not isinstance(top_logprobs, int) or not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
             # raised inside the batching actor's step, it would end the runtime
             raise InvalidOptionError(f"top_logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS}, got {top_logprobs!r}")
+        if not self.model.model.generates:
+            raise GenerationUnsupportedError(f"{self.info.name} is an embedding model: it does not support generate or chat; use /api/embed")
         send, receive = trio.open_memory_channel(0)
         request = Request()
         scope = trio.CancelScope()

@@ -1,4 +1,4 @@
-"""Ollama's generation endpoints: /api/generate, /api/chat, /api/embed, /api/embeddings."""
+"""Ollama's generation endpoints: /api/generate, /api/chat (embeddings: embed.py)."""
 
 from __future__ import annotations
 
@@ -206,12 +206,3 @@ async def chat():
 
     return await _respond(req, _run(req, start, chunk_obj, final_obj), ("message", "content"))
 
-
-@bp.post("/api/embed")
-@bp.post("/api/embeddings")
-async def embed():
-    body = await read_json()
-    name = field(body, "model", str, required=True)
-    state().scheduler.resolve(name)
-    # No embedding architecture is installed yet; generative models do not embed.
-    raise ApiError(400, f'"{name}" does not support embeddings')

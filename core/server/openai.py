@@ -1,4 +1,4 @@
-"""OpenAI's API: /v1/chat/completions, /v1/completions, /v1/embeddings and /v1/models.
+"""OpenAI's API: /v1/chat/completions, /v1/completions and /v1/models (/v1/embeddings: embed.py).
 
 Requests are translated into Ollama options and run through the same scheduler and runtime as the
 Ollama endpoints; replies take OpenAI's shapes, and streams are server-sent events ending in
@@ -347,24 +347,6 @@ async def _completion_events(
                     yield {**reply, "choices": [], "usage": _usage(chunk)}
             elif chunk.text or (req.logprobs and chunk.logprobs):
                 yield event(chunk.text, logprobs=legacy.shape(chunk.logprobs) if req.logprobs else None)
-
-
-# --- /v1/embeddings -------------------------------------------------------------------------------
-
-
-@bp.post("/v1/embeddings")
-async def embeddings():
-    body = await read_json()
-    model = field(body, "model", str, required=True)
-    texts = body.get("input")
-    if not (isinstance(texts, str) or isinstance(texts, list) and all(isinstance(text, str) for text in texts)):
-        raise ApiError(400, "input must be a string or a list of strings")
-    _integer(body, "dimensions", 1)
-    if field(body, "encoding_format", str, "float") not in ("float", "base64"):
-        raise ApiError(400, "encoding_format must be 'float' or 'base64'")
-    state().scheduler.resolve(model)
-    # No embedding architecture is installed yet; generative models do not embed.
-    raise ApiError(400, f'model "{model}" does not support embeddings')
 
 
 # --- /v1/models -----------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from corral.ml import Rope, Yarn
 from corral.model import Batch
 from corral.plugins.backends.torch import native
 from corral.plugins.backends.torch.attention import AttentionMemo, attention
+from corral.plugins.backends.torch.bidirectional import bidirectional_attention
 from corral.plugins.backends.torch.fusion import fuse_gates, fuse_linears, fuse_ropes
 from corral.plugins.backends.torch.graph import Graph, Node, Slot
 from corral.plugins.backends.torch.layouts import MappedRows
@@ -82,6 +83,10 @@ class TorchContext(Graph):
             self.replayable = False
         view = Slot("view") if cache is self.view else cache
         return self.record(attention, q, k, v, view, layer, scale, self._attention, softcap, sinks)
+
+    def bidirectional_attention(self, q: Node, k: Node, v: Node, lengths: Sequence[int], scale: float) -> Node:
+        self.replayable = False  # the lengths are baked into the graph
+        return self.record(bidirectional_attention, q, k, v, tuple(lengths), scale)
 
     def cached_keys(self, keys: Any, cells: Node) -> Node:
         return self.record(_cached_keys, keys, cells)
