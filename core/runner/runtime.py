@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import functools
-from typing import AsyncIterator, Callable, Sequence
+from typing import AsyncIterator, Callable
 
 import attrs
 import trio
@@ -175,7 +175,7 @@ class Runtime:
         self._nursery.cancel_scope.cancel()
 
     async def embed(
-        self, inputs: Sequence[str | Sequence[int]], truncate: bool = True, dimensions: int | None = None, normalized: bool = True
+        self, inputs: list[str | list[int]], truncate: bool = True, dimensions: int | None = None, normalized: bool = True
     ) -> Embeddings:
         """One vector per input (a text, or token ids), pooled as the model says; batched with other requests'.
 
@@ -263,7 +263,7 @@ class Runtime:
     def _num_ctx(self, opts: Options) -> int:
         return min(opts.num_ctx or self.num_ctx, self.num_ctx)
 
-    def _embedding_ids(self, inputs: list[str | Sequence[int]], truncate: bool) -> list[list[int]]:
+    def _embedding_ids(self, inputs: list[str | list[int]], truncate: bool) -> list[list[int]]:
         """Each input's token ids, within the context."""
         vocab = self.model.tokenizer.vocab_size
         suffix = self._closing_tokens()
