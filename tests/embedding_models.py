@@ -37,16 +37,16 @@ def minilm_folder() -> pathlib.Path:
     return folder
 
 
-def minilm_gguf(llama_cpp_dir: pathlib.Path) -> pathlib.Path:
-    """The folder converted by llama.cpp's convert_hf_to_gguf.py at float32, converted once."""
-    path = cache_dir() / "minilm" / "all-minilm-l6-v2.f32.gguf"
+def minilm_gguf(llama_cpp_dir: pathlib.Path, outtype: str = "f32") -> pathlib.Path:
+    """The folder converted by llama.cpp's convert_hf_to_gguf.py (`--outtype`: f32, f16, q8_0), converted once."""
+    path = cache_dir() / "minilm" / f"all-minilm-l6-v2.{outtype}.gguf"
     if path.is_file():
         return path
     folder = minilm_folder()
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent) as work:
         out = pathlib.Path(work) / path.name
-        command = [sys.executable, str(llama_cpp_dir / "convert_hf_to_gguf.py"), str(folder), "--outtype", "f32", "--outfile", str(out)]
+        command = [sys.executable, str(llama_cpp_dir / "convert_hf_to_gguf.py"), str(folder), "--outtype", outtype, "--outfile", str(out)]
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1"}
         done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
         if done.returncode != 0:

@@ -80,6 +80,7 @@ class EmbeddingActor:
     def __init__(self, model: LoadedModel, budget: int):
         self.model = model
         self.budget = budget
+        self.passes = 0  # forward passes run, all requests together
         self._send, self._receive = trio.open_memory_channel(0)
 
     async def embed(self, inputs: list[list[int]]) -> torch.Tensor:
@@ -121,6 +122,7 @@ class EmbeddingActor:
     def _compute(self, inputs: list[list[int]]) -> torch.Tensor:
         parts: list[Any] = [None] * len(inputs)
         for members in passes([len(ids) for ids in inputs], self.budget):
+            self.passes += 1
             for i, vector in zip(members, embed_pass(self.model, [inputs[i] for i in members])):
                 parts[i] = vector
         return torch.stack(parts)

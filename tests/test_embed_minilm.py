@@ -1,0 +1,149 @@
+"""all-MiniLM-L6-v2 (bert) through corral's embedding path against sentence-transformers on the same folder.
+
+The GGUF comes from llama.cpp's converter (embedding_models.py); the reference is the
+sentence-transformers pipeline of the folder (BERT, mean pooling, Normalize), truncating at the
+same length as corral: the file's context (512 tokens), or 256 (the folder's own max_seq_length)
+when the runtime's num_ctx says so.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import trio
+
+from corral.runner.interface import EmbeddingsUnsupportedError, GenerationUnsupportedError
+from corral.runner.process import RunnerProcess
+from corral.runner.runtime import InputTooLongError, InvalidPromptError, Runtime
+
+TEXTS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "",  # [CLS] [SEP] alone
+    "A man is playing a guitar on stage while the crowd sings along.",
+    "日本語の文章も埋め込めます。東京は日本の首都です。",  # CJK: one token per character
+    "Привет, мир! Как дела?",
+    "مرحبا بالعالم",
+    "Café naïve résumé — accents are stripped by the uncased tokenizer 🙂",
+    "def embed(texts):\n    return [model(t) for t in texts]  # code, tabs\tand symbols {}[]<>",
+    " ".join(f"sentence {i} of a long document about embeddings and context windows." for i in range(80)),  # > 512 tokens
+]
+
+
+def cosines(a, b) -> np.ndarray:
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    return (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
+
+
+@pytest.fixture(scope="session")
+def minilm_path(llama_cpp_dir):
+    from embedding_models import minilm_gguf
+
+    return minilm_gguf(llama_cpp_dir)
+
+
+@pytest.fixture(scope="session")
+def minilm_f16_path(llama_cpp_dir):
+    from embedding_models import minilm_gguf
+
+    return minilm_gguf(llama_cpp_dir, "f16")
+
+
+@pytest.fixture(scope="session")
+def sentence_transformer():
+    from embedding_models import minilm_folder
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(str(minilm_folder()), device="cpu")
+
+
+def reference(model, texts, max_seq_length: int = 512) -> np.ndarray:
+    model.max_seq_length = max_seq_length
+    return model.encode(texts, convert_to_numpy=True, batch_size=len(texts))
+
+
+async def test_minilm_matches_sentence_transformers_in_reference_precision(minilm_path, sentence_transformer):
+    async with Runtime.open(minilm_path, precision="fp32", num_parallel=1) as rt:
+        out = await rt.embed(TEXTS)
+    assert cosines(out.embeddings, reference(sentence_transformer, TEXTS)).min() >= 0.9999
+    assert np.allclose(np.linalg.norm(out.embeddings, axis=1), 1.0, atol=1e-5)
+    assert out.prompt_eval_count == sum(min(len(sentence_transformer.tokenizer(t)["input_ids"]), 512) for t in TEXTS)
+
+
+async def test_minilm_matches_sentence_transformers_in_default_precision_from_f16(minilm_f16_path, sentence_transformer):
+    async with Runtime.open(minilm_f16_path, num_parallel=1) as rt:
+        out = await rt.embed(TEXTS)
+    assert cosines(out.embeddings, reference(sentence_transformer, TEXTS)).min() >= 0.999
+
+
+async def test_truncation_at_a_smaller_context_matches_the_folder_max_seq_length(minilm_path, sentence_transformer):
+    long = TEXTS[-1]
+    async with Runtime.open(minilm_path, precision="fp32", num_parallel=1, num_ctx=256) as rt:
+        out = await rt.embed([long])
+        with pytest.raises(InputTooLongError, match="longer than the context of 256"):
+            await rt.embed([long], truncate=False)
+    assert out.prompt_eval_count == 256
+    assert cosines(out.embeddings, reference(sentence_transformer, [long], 256))[0] >= 0.9999
+
+
+async def test_an_input_embeds_the_same_alone_batched_and_as_token_ids(minilm_path):
+    async with Runtime.open(minilm_path, precision="fp32", num_parallel=1) as rt:
+        batched = (await rt.embed(TEXTS)).embeddings
+        alone = [(await rt.embed([text])).embeddings[0] for text in TEXTS[:4]]
+        ids = await rt.tokenize(TEXTS[2])
+        from_ids = (await rt.embed([ids])).embeddings[0]
+    assert cosines(alone, batched[:4]).min() >= 0.999999
+    assert cosines([from_ids], [batched[2]])[0] >= 0.999999
+
+
+async def test_concurrent_requests_are_computed_in_shared_passes(minilm_path):
+    async with Runtime.open(minilm_path, precision="fp32", num_parallel=1) as rt:
+        solo = (await rt.embed(TEXTS[:8])).embeddings
+        passes_before = rt.embedder.passes
+        results: dict[int, list[float]] = {}
+
+        async def one(i: int) -> None:
+            results[i] = (await rt.embed([TEXTS[i]])).embeddings[0]
+
+        async with trio.open_nursery() as nursery:
+            for i in range(8):
+                nursery.start_soon(one, i)
+        passes = rt.embedder.passes - passes_before
+    assert passes < 8  # the first request runs alone; those that arrived meanwhile share the next pass
+    assert cosines([results[i] for i in range(8)], solo).min() >= 0.999999
+
+
+async def test_dimensions_keep_the_leading_features_renormalised(minilm_path):
+    async with Runtime.open(minilm_path, precision="fp32", num_parallel=1) as rt:
+        full = np.array((await rt.embed(TEXTS[:1], normalized=False)).embeddings[0])
+        short = np.array((await rt.embed(TEXTS[:1], dimensions=64)).embeddings[0])
+    assert short.shape == (64,)
+    assert np.allclose(short, full[:64] / np.linalg.norm(full[:64]), atol=1e-5)
+
+
+async def test_an_encoder_refuses_generation_and_bad_inputs(minilm_path):
+    async with Runtime.open(minilm_path, num_parallel=1) as rt:
+        with pytest.raises(GenerationUnsupportedError, match="embedding model"):
+            async with rt.generate("hello") as stream:
+                await stream.collect()
+        with pytest.raises(InvalidPromptError, match="outside the vocabulary"):
+            await rt.embed([[1, 2, 10**6]])
+        assert (await rt.embed([])).embeddings == []
+
+
+async def test_a_generative_model_without_pooling_refuses_embeddings(tmp_path):
+    from tiny_gguf import write_tiny_llama
+
+    async with Runtime.open(write_tiny_llama(tmp_path / "llama.gguf"), num_parallel=1) as rt:
+        with pytest.raises(EmbeddingsUnsupportedError, match="does not support embeddings"):
+            await rt.embed(["hello"])
+
+
+async def test_the_runner_process_embeds_like_the_runtime(minilm_path):
+    async with Runtime.open(minilm_path, precision="fp32", num_parallel=1) as rt:
+        here = await rt.embed(TEXTS[:3], dimensions=100)
+    async with RunnerProcess.open(minilm_path, num_parallel=1, num_ctx=512, num_batch=512, precision="fp32") as runner:
+        there = await runner.embed(TEXTS[:3], dimensions=100)
+        with pytest.raises(InputTooLongError):
+            await runner.embed([TEXTS[-1]], truncate=False)
+    assert there.prompt_eval_count == here.prompt_eval_count
+    assert np.allclose(there.embeddings, here.embeddings, atol=1e-6)
