@@ -146,3 +146,9 @@ async def test_v1_embeddings_errors(minilm_server, body, status, says):
     response = await post(minilm_server, "/v1/embeddings", body)
     assert response.status_code == status
     assert says in response.json()["error"]["message"]
+
+
+async def test_show_reports_the_embedding_capability(minilm_server):
+    shown = await in_thread(lambda: ollama.Client(host=minilm_server).show(MINILM))
+    assert shown.capabilities == ["embedding"]
+    assert shown.modelinfo["bert.pooling_type"] == 1

@@ -42,9 +42,12 @@ def state() -> ServerState:
 
 
 def model_capabilities(store: Store, name: str) -> list[str]:
-    """What a model can do: always "completion"; "tools" when its chat template renders tools, "insert" when
-    it renders a suffix."""
-    template = model_defaults(store, name).template or GGUFFile.open(store.model_path(name)).get("tokenizer.chat_template", "")
+    """What a model can do: "embedding" for a model whose file names a pooling (as Ollama decides); otherwise
+    "completion", "tools" when its chat template renders tools, "insert" when it renders a suffix."""
+    gguf = GGUFFile.open(store.model_path(name))
+    if gguf.get(f"{gguf.architecture}.pooling_type", 0):
+        return ["embedding"]
+    template = model_defaults(store, name).template or gguf.get("tokenizer.chat_template", "")
     return ["completion"] + (["tools"] if renders_tools(template) else []) + (["insert"] if renders_suffix(template) else [])
 
 
