@@ -39,12 +39,15 @@ def embed_pass(model: LoadedModel, inputs: Sequence[Sequence[int]]) -> torch.Ten
     """One forward pass over `inputs` (none empty): their pooled, unnormalised vectors [inputs, dim]."""
     pooling = model.model.pooling
     batch = embedding_batch(inputs, pooling)
-    view = None
     if model.model.generates:  # causal attention needs cells: one region per input, freed with the pass
         layers = model.model.cache_layers()
         longest = max(len(ids) for ids in inputs)
         view = CausalCache(model.backend, layers, longest * len(inputs), longest * len(inputs), num_seqs=len(inputs)).prepare(batch)
-    ctx = model.backend.new_context(batch, view)
+        ctx = model.backend.new_context(batch, view)
+    else:
+        # The backend runs a linear once per run of one sequence's rows (batch invariance for the
+        # cached decode); told the rows are one sequence, it runs one product over all the inputs.
+        view, ctx = None, model.backend.new_context(attrs.evolve(batch, sequences=np.zeros(len(batch), dtype=np.int64)))
     (hidden,) = ctx.compute(model.model.hidden_states(ctx, batch, view))
     return pool(hidden, [len(ids) for ids in inputs], pooling)
 
