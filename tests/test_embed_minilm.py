@@ -60,23 +60,23 @@ def reference(model, texts, max_seq_length: int = 512) -> np.ndarray:
     return model.encode(texts, convert_to_numpy=True, batch_size=len(texts))
 
 
-async def test_minilm_matches_sentence_transformers_in_reference_precision(minilm_path, sentence_transformer):
-    async with Runtime.open(minilm_path, precision="fp32", num_parallel=1) as rt:
+async def test_minilm_matches_sentence_transformers_in_reference_precision(minilm_path, sentence_transformer, load_once):
+    async with Runtime.open(load_once(minilm_path, "fp32"), num_parallel=1) as rt:
         out = await rt.embed(TEXTS)
     assert cosines(out.embeddings, reference(sentence_transformer, TEXTS)).min() >= 0.9999
     assert np.allclose(np.linalg.norm(out.embeddings, axis=1), 1.0, atol=1e-5)
     assert out.prompt_eval_count == sum(min(len(sentence_transformer.tokenizer(t)["input_ids"]), 512) for t in TEXTS)
 
 
-async def test_minilm_matches_sentence_transformers_in_default_precision_from_f16(minilm_f16_path, sentence_transformer):
-    async with Runtime.open(minilm_f16_path, num_parallel=1) as rt:
+async def test_minilm_matches_sentence_transformers_in_default_precision_from_f16(minilm_f16_path, sentence_transformer, load_once):
+    async with Runtime.open(load_once(minilm_f16_path), num_parallel=1) as rt:
         out = await rt.embed(TEXTS)
     assert cosines(out.embeddings, reference(sentence_transformer, TEXTS)).min() >= 0.999
 
 
-async def test_truncation_at_a_smaller_context_matches_the_folder_max_seq_length(minilm_path, sentence_transformer):
+async def test_truncation_at_a_smaller_context_matches_the_folder_max_seq_length(minilm_path, sentence_transformer, load_once):
     long = TEXTS[-1]
-    async with Runtime.open(minilm_path, precision="fp32", num_parallel=1, num_ctx=256) as rt:
+    async with Runtime.open(load_once(minilm_path, "fp32"), num_parallel=1, num_ctx=256) as rt:
         out = await rt.embed([long])
         with pytest.raises(InputTooLongError, match="longer than the context of 256"):
             await rt.embed([long], truncate=False)
@@ -84,8 +84,8 @@ async def test_truncation_at_a_smaller_context_matches_the_folder_max_seq_length
     assert cosines(out.embeddings, reference(sentence_transformer, [long], 256))[0] >= 0.9999
 
 
-async def test_an_input_embeds_the_same_alone_batched_and_as_token_ids(minilm_path):
-    async with Runtime.open(minilm_path, precision="fp32", num_parallel=1) as rt:
+async def test_an_input_embeds_the_same_alone_batched_and_as_token_ids(minilm_path, load_once):
+    async with Runtime.open(load_once(minilm_path, "fp32"), num_parallel=1) as rt:
         batched = (await rt.embed(TEXTS)).embeddings
         alone = [(await rt.embed([text])).embeddings[0] for text in TEXTS[:4]]
         ids = await rt.tokenize(TEXTS[2])
@@ -94,8 +94,8 @@ async def test_an_input_embeds_the_same_alone_batched_and_as_token_ids(minilm_pa
     assert cosines([from_ids], [batched[2]])[0] >= 0.999999
 
 
-async def test_concurrent_requests_are_computed_in_shared_passes(minilm_path):
-    async with Runtime.open(minilm_path, precision="fp32", num_parallel=1) as rt:
+async def test_concurrent_requests_are_computed_in_shared_passes(minilm_path, load_once):
+    async with Runtime.open(load_once(minilm_path, "fp32"), num_parallel=1) as rt:
         solo = (await rt.embed(TEXTS[:8])).embeddings
         passes_before = rt.embedder.passes
         results: dict[int, list[float]] = {}
@@ -111,16 +111,16 @@ async def test_concurrent_requests_are_computed_in_shared_passes(minilm_path):
     assert cosines([results[i] for i in range(8)], solo).min() >= 0.999999
 
 
-async def test_dimensions_keep_the_leading_features_renormalised(minilm_path):
-    async with Runtime.open(minilm_path, precision="fp32", num_parallel=1) as rt:
+async def test_dimensions_keep_the_leading_features_renormalised(minilm_path, load_once):
+    async with Runtime.open(load_once(minilm_path, "fp32"), num_parallel=1) as rt:
         full = np.array((await rt.embed(TEXTS[:1], normalized=False)).embeddings[0])
         short = np.array((await rt.embed(TEXTS[:1], dimensions=64)).embeddings[0])
     assert short.shape == (64,)
     assert np.allclose(short, full[:64] / np.linalg.norm(full[:64]), atol=1e-5)
 
 
-async def test_an_encoder_refuses_generation_and_bad_inputs(minilm_path):
-    async with Runtime.open(minilm_path, num_parallel=1) as rt:
+async def test_an_encoder_refuses_generation_and_bad_inputs(minilm_path, load_once):
+    async with Runtime.open(load_once(minilm_path), num_parallel=1) as rt:
         with pytest.raises(GenerationUnsupportedError, match="embedding model"):
             async with rt.generate("hello") as stream:
                 await stream.collect()
@@ -137,8 +137,8 @@ async def test_a_generative_model_without_pooling_refuses_embeddings(tmp_path):
             await rt.embed(["hello"])
 
 
-async def test_the_runner_process_embeds_like_the_runtime(minilm_path):
-    async with Runtime.open(minilm_path, precision="fp32", num_parallel=1) as rt:
+async def test_the_runner_process_embeds_like_the_runtime(minilm_path, load_once):
+    async with Runtime.open(load_once(minilm_path, "fp32"), num_parallel=1) as rt:
         here = await rt.embed(TEXTS[:3], dimensions=100)
     async with RunnerProcess.open(minilm_path, num_parallel=1, num_ctx=512, num_batch=512, precision="fp32") as runner:
         there = await runner.embed(TEXTS[:3], dimensions=100)
