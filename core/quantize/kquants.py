@@ -11,6 +11,9 @@ different scale now and then. Everything is float32, as in C on x86-64 (ggml-bas
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 
 F32 = np.float32
@@ -19,7 +22,7 @@ GROUP_MAX_EPS = F32(1e-15)
 BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 # Super-blocks quantized together: large enough to amortise numpy's per-call cost, small enough
 # that a chunk's working arrays stay in cache.
-CHUNK_BLOCKS = 2048
+CHUNK_BLOCKS = 512
 
 
 def nearest_int(value: np.ndarray) -> np.ndarray:
@@ -228,15 +231,27 @@ _BLOCK_QUANTIZERS = {"Q4_K": quantize_q4_k_blocks, "Q5_K": quantize_q5_k_blocks,
 
 
 def quantize_k(values: np.ndarray, type_name: str) -> np.ndarray:
-    """float32 rows (last dim a multiple of 256) -> uint8 rows of `type_name` (Q4_K, Q5_K or Q6_K) blocks."""
+    """float32 rows (last dim a multiple of 256) -> uint8 rows of `type_name` (Q4_K, Q5_K or Q6_K) blocks.
+
+    Chunks of super-blocks are quantized on a thread per core: numpy releases the GIL inside each
+    operation, and every chunk writes its own rows of the output.
+    """
     quantize_blocks = _BLOCK_QUANTIZERS[type_name]
     values = np.ascontiguousarray(values, dtype=F32)
     if values.shape[-1] % QK_K:
         raise ValueError(f"{type_name} needs rows of a multiple of {QK_K} values, not {values.shape[-1]}")
     blocks = values.reshape(-1, QK_K)
     out = np.empty((blocks.shape[0], BLOCK_BYTES[type_name]), np.uint8)
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        for start in range(0, blocks.shape[0], CHUNK_BLOCKS):
+
+    def run(start: int) -> None:
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
             out[start : start + CHUNK_BLOCKS] = quantize_blocks(blocks[start : start + CHUNK_BLOCKS])
+
+    starts = range(0, blocks.shape[0], CHUNK_BLOCKS)
+    if len(starts) == 1:
+        run(0)
+    else:
+        with ThreadPoolExecutor(max_workers=min(len(starts), len(os.sched_getaffinity(0)))) as pool:
+            list(pool.map(run, starts))
     row_blocks = values.shape[-1] // QK_K
     return out.reshape(*values.shape[:-1], row_blocks * BLOCK_BYTES[type_name])
