@@ -153,12 +153,33 @@ def convert_tensor(source: GGUFFile, name: str, qtype: Q) -> np.ndarray:
     if qtype in _K_TYPES:
         return kquants.quantize_k(values, _K_TYPES[qtype])
     if qtype in _GGUF_PY_TYPES:
-        return gguf.quants.quantize(values, qtype)
+        return _ggml_signed_zeros(gguf.quants.quantize(values, qtype), values, qtype)
     if qtype == Q.F16:
         return values.astype(np.float16).view(np.uint8)
     if qtype == Q.F32:
         return values.view(np.uint8)
     raise QuantizeError(f"corral cannot write tensors of type {qtype.name}")
+
+
+def _ggml_signed_zeros(quantized: np.ndarray, values: np.ndarray, qtype: Q) -> np.ndarray:
+    """gguf-py's Q4_0/Q4_1/Q5_0/Q5_1 bytes with ggml's sign on zero scales and mins, in place.
+
+    gguf-py and ggml part only there: ggml's Q4_0/Q5_0 scale of an all-zero block is always -0 (its
+    running max starts at +0), its Q4_1/Q5_1 scale is +0 whenever it is zero (max - min of equal
+    numbers), and its min is the block's first element equal to the minimum, with that element's sign;
+    numpy picks either zero.
+    """
+    block, size = GGML_QUANT_SIZES[qtype]
+    out = quantized.reshape(-1, size)
+    blocks = values.reshape(-1, block)
+    if qtype in (Q.Q4_0, Q.Q5_0):
+        out[~np.any(blocks != 0, axis=1), 0:2] = (0x00, 0x80)  # fp16 -0.0, little-endian
+    elif qtype in (Q.Q4_1, Q.Q5_1):
+        zero_scale = (out[:, 0] == 0) & ((out[:, 1] & 0x7F) == 0)
+        out[zero_scale, 1] = 0
+        first_min = blocks[np.arange(blocks.shape[0]), np.argmin(blocks, axis=1)]
+        out[:, 2:4] = first_min.astype(np.float16).view(np.uint8).reshape(-1, 2)
+    return quantized
 
 
 def as_float32(raw: np.ndarray, qtype: Q) -> np.ndarray:
