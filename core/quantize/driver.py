@@ -49,15 +49,16 @@ class Plan:
 
 
 def source_type_name(source: GGUFFile) -> str:
-    """The file's type as Ollama names it (F16, Q8_0, Q4_K_M, ...): `general.file_type`, else the
-    most common type of its matrices."""
-    file_type = source.get("general.file_type")
-    try:
-        return LlamaFileType(int(file_type)).name.removeprefix("MOSTLY_").removeprefix("ALL_")
-    except (TypeError, ValueError):
-        pass
+    """The file's type as Ollama names it in progress (F16, Q8_0, Q4_K_M, ...): the most common type of
+    its matrices when they are all unquantized, else `general.file_type`."""
     kinds = [info.qtype for info in source.tensors.values() if len(info.shape) >= 2]
-    return max(set(kinds), key=kinds.count).name if kinds else "F32"
+    common = max(set(kinds), key=kinds.count).name if kinds else "F32"
+    if set(kinds) <= UNQUANTIZED:
+        return common
+    try:
+        return LlamaFileType(int(source.get("general.file_type"))).name.removeprefix("MOSTLY_")
+    except (TypeError, ValueError):
+        return common
 
 
 def is_quantized(qtype: Q) -> bool:

@@ -2,8 +2,9 @@
 
 A client uploads a GGUF with `POST /api/blobs/sha256:<hex>`, then creates a model from it with
 `POST /api/create {"model", "files": {"model.gguf": "sha256:<hex>"}}`; or it derives a model from one in
-the store with `{"model", "from", "system", "parameters", ...}`. Everything a create request names is
-checked before anything is written. Once the GGUF is uploaded, creating writes only a few small blobs,
+the store with `{"model", "from", "system", "parameters", ...}`; `quantize` (q4_K_M, q8_0, ...) quantizes
+the base's weights. Everything a create request names is checked before anything is written. Once the
+GGUF is uploaded, creating writes a few small blobs (and the quantized GGUF: seconds for a small model),
 so the progress objects are sent when it is done and every error gets its own status code.
 """
 
@@ -19,6 +20,7 @@ import trio
 
 from corral.modelfile.create import CreateModelError, ModelSpec, create_model, parse_messages, validate_parameters
 from corral.modelfile.syntax import Modelfile
+from corral.quantize import preset
 from corral.server.http import ApiError, field, ndjson_response, read_json
 from corral.server.state import state
 from corral.store import parse_digest, parse_name
@@ -52,8 +54,6 @@ async def _replay(events: list[dict]) -> AsyncIterator[dict]:
 
 def _spec_from_body(body: dict) -> tuple[ModelSpec, list[dict]]:
     """The request as a ModelSpec, and the progress already made (parsing a legacy Modelfile)."""
-    if field(body, "quantize", str, ""):
-        raise ApiError(400, "quantize is not supported: quantize the GGUF first (llama.cpp's llama-quantize)")
     if field(body, "adapters", dict, {}):
         raise ApiError(400, "adapters are not supported: merge the LoRA adapter into the GGUF first")
     events: list[dict] = []
@@ -83,6 +83,8 @@ def _spec_from_body(body: dict) -> tuple[ModelSpec, list[dict]]:
         fields["messages"] = parse_messages(messages)
     if (license := field(body, "license", (str, list), None)) is not None:
         fields["license"] = _licenses(license)
+    if quantize := field(body, "quantize", str, ""):
+        fields["quantize"] = preset(quantize).name  # an unknown type: 400 listing the known ones
     return ModelSpec(**fields), events
 
 
