@@ -37,6 +37,10 @@ BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34, "Q4_K
 BLOCK_SIZE = {"Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32, "Q8_0": 32, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256}
 
 
+class NoCompilerError(RuntimeError):
+    """Neither $CC, gcc nor cc is here."""
+
+
 class GGMLQuants:
     """ctypes access to `quantize_row_<type>_ref` of a compiled ggml-quants.c."""
 
@@ -56,6 +60,21 @@ class GGMLQuants:
         return out.reshape(*values.shape[:-1], row_bytes)
 
 
+def compiler() -> str | None:
+    """The C compiler to build with: $CC, else gcc or cc on PATH."""
+    return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+
+
+def load(llama_cpp: pathlib.Path) -> GGMLQuants:
+    """ggml's quantizers from `llama_cpp`'s sources; the calling test is skipped when no compiler is here."""
+    import pytest
+
+    try:
+        return GGMLQuants(build(llama_cpp))
+    except NoCompilerError as error:
+        pytest.skip(f"{error} (.ci/run installs gcc)")
+
+
 def build(llama_cpp: pathlib.Path) -> pathlib.Path:
     """Compile ggml-quants.c (once per source hash) and return the shared library's path."""
     ggml = llama_cpp / "ggml"
@@ -67,15 +86,15 @@ def build(llama_cpp: pathlib.Path) -> pathlib.Path:
     target = peers.cache_dir() / "ggml-quants" / key.hexdigest()[:16] / "libggml-quants-ref.so"
     if target.is_file():
         return target
-    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-    if compiler is None:
-        raise RuntimeError("no C compiler (gcc) to build ggml's reference quantizers")
+    cc = compiler()
+    if cc is None:
+        raise NoCompilerError("no C compiler (gcc) to build ggml's reference quantizers")
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as work:
         shim = pathlib.Path(work) / "shim.c"
         shim.write_text(SHIM)
         built = pathlib.Path(work) / target.name
         includes = ["-I", str(ggml / "src"), "-I", str(ggml / "include")]
-        subprocess.run([compiler, *FLAGS, *includes, str(source), str(shim), "-lm", "-o", str(built)], check=True)
+        subprocess.run([cc, *FLAGS, *includes, str(source), str(shim), "-lm", "-o", str(built)], check=True)
         os.replace(built, target)  # whole or not at all: an interrupted build leaves nothing behind
     return target

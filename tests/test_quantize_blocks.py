@@ -18,7 +18,7 @@ from corral.gguf import GGUFFile
 
 @pytest.fixture(scope="module")
 def ggml(llama_cpp_dir) -> ggml_reference.GGMLQuants:
-    return ggml_reference.GGMLQuants(ggml_reference.build(llama_cpp_dir))
+    return ggml_reference.load(llama_cpp_dir)
 
 
 def awkward_rows(seed: int, columns: int = 1024) -> np.ndarray:

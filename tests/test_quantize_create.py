@@ -243,7 +243,7 @@ def test_smollm2_dequantized_quantizes_to_ggml_bytes_with_q4_k_m_error(smollm2_p
     f32 = write_f32_copy(smollm2_path, tmp_path / "smollm2-f32.gguf")
     chosen = quantize_file(f32, tmp_path / "q4km.gguf", preset("q4_K_M"))
     assert {chosen.types[n] for n in chosen.types} >= {Q.Q4_K, Q.Q6_K, Q.F32}
-    reference = ggml_reference.GGMLQuants(ggml_reference.build(llama_cpp_dir))
+    reference = ggml_reference.load(llama_cpp_dir)
     names = ("blk.0.attn_v.weight", "blk.1.attn_v.weight", "blk.0.ffn_gate.weight", "blk.29.ffn_down.weight")
     weights, quantized = tensors(f32, names), tensors(tmp_path / "q4km.gguf", names)
     for name in names:
