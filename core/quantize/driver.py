@@ -15,6 +15,7 @@ import mmap
 import os
 import struct
 from collections.abc import Callable
+from pathlib import Path
 
 import attrs
 import gguf
@@ -115,7 +116,7 @@ def quantize_file(
     """Write `source_path` quantized to `preset` into `target_path`; returns the plan it followed.
 
     Progress events are Ollama's: `{"status": "quantizing F16 model to Q4_K_M", "total", "completed"}`
-    in bytes of the source tensors.
+    in bytes of the source tensors. A failure removes the target file.
     """
     report = progress or (lambda event: None)
     source = GGUFFile.open(source_path)
@@ -137,8 +138,11 @@ def quantize_file(
                 writer.write_tensor_data(convert_tensor(source, info.name, chosen.types[info.name]))
                 done += info.nbytes
                 report({"status": status, "total": total, "completed": done})
-        finally:
+        except BaseException:
             writer.close()
+            Path(target_path).unlink(missing_ok=True)  # no half-written file is left behind
+            raise
+        writer.close()
     finally:
         source.close()
     return chosen
