@@ -123,6 +123,27 @@ def test_table_is_what_llama_quantize_writes_today(models, table, tmp_path):
             assert llama_quantize_types(LLAMA_QUANTIZE, models[model], preset_name, tmp_path) == table[model][preset_name]
 
 
+@pytest.mark.peers
+@pytest.mark.skipif(not LLAMA_QUANTIZE.is_file(), reason=f"llama-quantize is not built at {LLAMA_QUANTIZE}")
+@pytest.mark.parametrize("preset_name", sorted(PRESETS))
+def test_quantized_file_equals_llama_quantizes_tensor_for_tensor(models, preset_name, tmp_path):
+    """Types, bytes and metadata of the whole tiny llama as llama-quantize writes them (not in CI)."""
+    from corral.quantize import quantize_file
+
+    quantize_file(models["llama"], tmp_path / "ours.gguf", preset(preset_name))
+    subprocess.run([str(LLAMA_QUANTIZE), str(models["llama"]), str(tmp_path / "theirs.gguf"), preset_name], check=True, capture_output=True)
+    ours, theirs = GGUFFile.open(tmp_path / "ours.gguf"), GGUFFile.open(tmp_path / "theirs.gguf")
+    try:
+        assert ours.metadata.keys() == theirs.metadata.keys()
+        assert all(str(ours.metadata[key]) == str(theirs.metadata[key]) for key in theirs.metadata)
+        assert ours.tensors.keys() == theirs.tensors.keys()
+        for name, info in theirs.tensors.items():
+            assert ours.tensors[name].qtype == info.qtype and bytes(ours.raw(name)) == bytes(theirs.raw(name)), name
+    finally:
+        ours.close()
+        theirs.close()
+
+
 def regenerate(work: pathlib.Path) -> None:
     """Rewrite TABLE from llama-quantize's output on every model and preset."""
     if shutil.which(str(LLAMA_QUANTIZE)) is None:
