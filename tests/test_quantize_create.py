@@ -162,12 +162,12 @@ async def test_api_create_quantizes_an_uploaded_gguf_that_then_answers(tiny_serv
     assert reply.done and reply.eval_count > 0
 
 
-async def test_api_create_quantizes_a_model_from_the_store(http, store, f32_gguf):
+async def test_api_create_quantizes_a_model_from_the_store_under_the_older_field_name(http, store, f32_gguf):
     data = pathlib.Path(f32_gguf).read_bytes()
     digest = "sha256:" + hashlib.sha256(data).hexdigest()
     await http.post(f"/api/blobs/{digest}", content=data)
     assert (await http.post("/api/create", json={"model": "tiny-f32", "files": {"m.gguf": digest}, "stream": False})).status_code == 200
-    reply = await http.post("/api/create", json={"model": "tiny-q4s", "from": "tiny-f32", "quantize": "Q4_K_S", "system": "hi"})
+    reply = await http.post("/api/create", json={"model": "tiny-q4s", "from": "tiny-f32", "quantization": "Q4_K_S", "system": "hi"})
     assert reply.status_code == 200 and json.loads(reply.text.splitlines()[-1]) == {"status": "success"}
     _, types = model_types(store, "tiny-q4s")
     assert types["blk.0.attn_v.weight"] == Q.Q5_K and types["blk.0.ffn_down.weight"] == Q.Q4_K

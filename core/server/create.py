@@ -83,7 +83,8 @@ def _spec_from_body(body: dict) -> tuple[ModelSpec, list[dict]]:
         fields["messages"] = parse_messages(messages)
     if (license := field(body, "license", (str, list), None)) is not None:
         fields["license"] = _licenses(license)
-    if quantize := field(body, "quantize", str, ""):
+    # `quantization` is the field's older name, which Ollama still reads.
+    if quantize := field(body, "quantize", str, "") or field(body, "quantization", str, ""):
         fields["quantize"] = preset(quantize).name  # an unknown type: 400 listing the known ones
     return ModelSpec(**fields), events
 
