@@ -8,11 +8,13 @@ that table; where the binary is present, one more test checks the table is still
 
 The models have rows of 256 (so K-quants apply), 8 layers (so the first/last-eighth and every-third
 rules pick different layers), a down projection of 320 columns (fallback types), tied (llama, gemma3)
-and untied output (qwen3moe), and 8 experts (the MoE rules).
+and untied output (qwen3moe, deepseek2), 8 experts (the MoE rules) and MLA's fused attn_kv_b (deepseek2,
+whose odd widths also take the fallbacks down to F16).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import pathlib
 import shutil
@@ -26,7 +28,7 @@ from corral.gguf import GGUFFile
 from corral.quantize.driver import plan
 from corral.quantize.mix import use_more_bits
 from corral.quantize.presets import PRESETS, UnknownQuantizationError, preset
-from tiny_gguf import write_tiny_gemma3, write_tiny_llama, write_tiny_qwen3moe
+from tiny_gguf import write_tiny_deepseek2, write_tiny_gemma3, write_tiny_llama, write_tiny_qwen3moe
 
 TABLE = pathlib.Path(__file__).resolve().parent / "reference" / "quantize_types.json"
 LLAMA_QUANTIZE = pathlib.Path.home() / ".cache" / "corral-peers" / "build" / "bin" / "llama-quantize"
@@ -47,6 +49,11 @@ MODELS = {
         write_tiny_qwen3moe,
         dict(block_count=4, embedding_length=256, expert_feed_forward_length=256, key_length=64, value_length=64),
         ("blk.0.attn_q.weight", "blk.1.ffn_down_exps.weight"),
+    ),
+    "deepseek2": (  # MLA with the fused attn_kv_b (a value projection to llama.cpp), 8 experts, odd widths
+        functools.partial(write_tiny_deepseek2, fused_kv_b=True),
+        dict(block_count=4, embedding_length=256),
+        ("blk.1.attn_q_b.weight", "blk.2.ffn_down_exps.weight"),
     ),
 }
 
