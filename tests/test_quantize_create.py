@@ -98,6 +98,19 @@ def test_quantizing_a_quantized_model_is_refused_with_nothing_written(tmp_path):
     assert store.manifest("x") is None and not store.blobs_dir.exists()
 
 
+def test_a_weight_that_is_not_finite_is_refused_and_leaves_no_file(tmp_path):
+    broken = write_tiny_llama(tmp_path / "nan.gguf", **F32_LLAMA)
+    model = GGUFFile.open(broken)
+    offset = model.tensors["blk.2.ffn_up.weight"].offset
+    model.close()
+    with open(broken, "r+b") as file:
+        file.seek(offset + 40)
+        file.write(np.float32(np.nan).tobytes())
+    with pytest.raises(QuantizeError, match="blk.2.ffn_up.weight has NaN or infinite values"):
+        quantize_file(broken, tmp_path / "out.gguf", preset("q4_K_M"))
+    assert not (tmp_path / "out.gguf").exists()
+
+
 def test_requantizing_needs_to_be_asked_for(tmp_path, f32_gguf):
     q8 = tmp_path / "q8.gguf"
     quantize_file(f32_gguf, q8, preset("q8_0"))

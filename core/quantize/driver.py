@@ -155,6 +155,9 @@ def convert_tensor(source: GGUFFile, name: str, qtype: Q) -> np.ndarray:
     if qtype == info.qtype:
         return raw
     values = as_float32(raw, info.qtype).reshape(-1, info.shape[-1])
+    if not np.isfinite(values).all():  # llama-quantize's loader refuses such data too
+        del raw, values  # a traceback holding views of the file's mapping would keep it from closing
+        raise QuantizeError(f"tensor {name} has NaN or infinite values: the model is corrupt")
     if qtype in _K_TYPES:
         return kquants.quantize_k(values, _K_TYPES[qtype])
     if qtype in _GGUF_PY_TYPES:
