@@ -162,6 +162,13 @@ def test_metadata_keeps_its_types(tmp_path, f32_gguf):
 # ---- over HTTP and the CLI ---------------------------------------------------------------------
 
 
+async def upload(http, path) -> str:
+    data = pathlib.Path(path).read_bytes()
+    digest = "sha256:" + hashlib.sha256(data).hexdigest()
+    assert (await http.post(f"/api/blobs/{digest}", content=data)).status_code in (200, 201)
+    return digest
+
+
 async def test_api_create_quantizes_an_uploaded_gguf_that_then_answers(tiny_server, store, f32_gguf):
     client = ollama.Client(host=tiny_server)
     digest = await in_thread(client.create_blob, f32_gguf)
@@ -176,15 +183,43 @@ async def test_api_create_quantizes_an_uploaded_gguf_that_then_answers(tiny_serv
 
 
 async def test_api_create_quantizes_a_model_from_the_store_under_the_older_field_name(http, store, f32_gguf):
-    data = pathlib.Path(f32_gguf).read_bytes()
-    digest = "sha256:" + hashlib.sha256(data).hexdigest()
-    await http.post(f"/api/blobs/{digest}", content=data)
+    digest = await upload(http, f32_gguf)
     assert (await http.post("/api/create", json={"model": "tiny-f32", "files": {"m.gguf": digest}, "stream": False})).status_code == 200
     reply = await http.post("/api/create", json={"model": "tiny-q4s", "from": "tiny-f32", "quantization": "Q4_K_S", "system": "hi"})
     assert reply.status_code == 200 and json.loads(reply.text.splitlines()[-1]) == {"status": "success"}
     _, types = model_types(store, "tiny-q4s")
     assert types["blk.0.attn_v.weight"] == Q.Q5_K and types["blk.0.ffn_down.weight"] == Q.Q4_K
     assert store.manifest("tiny-f32").model != store.manifest("tiny-q4s").model
+
+
+async def test_api_create_streams_quantize_progress_while_it_quantizes(http, store, f32_gguf):
+    digest = await upload(http, f32_gguf)
+    body = {"model": "tiny-live", "files": {"m.gguf": digest}, "quantize": "q4_K_M"}
+    seen = []
+    async with http.stream("POST", "/api/create", json=body) as reply:
+        assert reply.status_code == 200
+        async for line in reply.aiter_lines():
+            event = json.loads(line)
+            seen.append(event)
+            if event["status"].startswith("quantizing") and 0 < event["completed"] < event["total"]:
+                assert store.manifest("tiny-live") is None  # the create waits on this reader: it is not done
+    assert seen[-1] == {"status": "success"} and store.manifest("tiny-live") is not None
+
+
+async def test_api_create_failing_while_quantizing_ends_the_stream_with_an_error(http, store, tmp_path):
+    broken = write_tiny_llama(tmp_path / "nan.gguf", **F32_LLAMA)
+    model = GGUFFile.open(broken)
+    offset = model.tensors["blk.2.ffn_up.weight"].offset
+    model.close()
+    with open(broken, "r+b") as file:
+        file.seek(offset)
+        file.write(np.float32(np.inf).tobytes())
+    digest = await upload(http, broken)
+    reply = await http.post("/api/create", json={"model": "x", "files": {"m.gguf": digest}, "quantize": "q8_0"})
+    last = json.loads(reply.text.splitlines()[-1])
+    assert last == {"error": "tensor blk.2.ffn_up.weight has NaN or infinite values: the model is corrupt"}
+    assert store.manifest("x") is None
+    assert not [p for p in store.blobs_dir.iterdir() if p.name.startswith(".")]  # no temporary file left
 
 
 @pytest.mark.parametrize(
