@@ -23,7 +23,7 @@ from corral.gguf import GGUFFile
 from corral.modelfile.defaults import stored_parameters
 from corral.modelfile.syntax import IGNORED_PARAMETERS, Message, Modelfile, ModelfileError
 from corral.options import STANDARD_OPTIONS, InvalidOptionError, parse_options
-from corral.template import TemplateError, compile_template
+from corral.quantize import check_quantizable, quantize_to_blob
 from corral.store import (
     LICENSE_MEDIA_TYPE,
     MESSAGES_MEDIA_TYPE,
@@ -38,6 +38,7 @@ from corral.store import (
     parse_digest,
     parse_name,
 )
+from corral.template import TemplateError, compile_template
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +60,7 @@ class ModelSpec:
     parameters: dict[str, Any] | None = None  # JSON-ready, as `validate_parameters` returns them
     messages: tuple[Message, ...] = ()  # empty: keep the base's
     license: tuple[str, ...] = ()  # added to the base's
+    quantize: str | None = None  # a preset name (q4_K_M, q8_0, ...): the base's weights quantized to it
 
     def __attrs_post_init__(self) -> None:
         given = [v for v in (self.from_model, self.gguf_blob, self.gguf_path) if v is not None]
@@ -115,14 +117,17 @@ def check_spec(store: Store, spec: ModelSpec) -> tuple[Layer, ...]:
             raise ModelNotFoundError(f"model '{base}' not found; pull or create it first")
         if not store.has_blob(manifest.model.digest):
             raise ModelNotFoundError(f"model '{base}' is missing its GGUF blob; pull it again")
+        _check_quantize(store.blob_path(manifest.model.digest), spec.quantize)
         return manifest.layers
     if spec.gguf_blob is not None:
         digest = parse_digest(spec.gguf_blob)
         if not store.has_blob(digest):
             raise CreateModelError(f"blob {digest} is not in the store; upload it with POST /api/blobs/{digest}")
         _check_gguf(store.blob_path(digest), f"the uploaded file {digest}")
+        _check_quantize(store.blob_path(digest), spec.quantize)
     else:
         _check_gguf(spec.gguf_path, str(spec.gguf_path))
+        _check_quantize(spec.gguf_path, spec.quantize)
     return ()
 
 
@@ -132,6 +137,11 @@ def _check_template(source: str) -> None:
         compile_template(source)
     except TemplateError as error:
         raise CreateModelError(f"TEMPLATE: {error}") from None
+
+
+def _check_quantize(path: Path, quantize: str | None) -> None:
+    if quantize is not None:
+        check_quantizable(path, quantize)
 
 
 def _check_gguf(path: Path, what: str) -> None:
@@ -161,7 +171,9 @@ def create_model(store: Store, name: str | ModelName, spec: ModelSpec, progress:
         report({"status": "parsing GGUF"})
     layers = [(layer.media_type, layer.digest) for layer in base_layers]
     created: set[str] = set()
-    if spec.gguf_blob is not None:
+    if spec.quantize is not None:
+        _quantize_base(store, spec, layers, created, report)
+    elif spec.gguf_blob is not None:
         layers.append((MODEL_MEDIA_TYPE, spec.gguf_blob))
     elif spec.gguf_path is not None:
         digest = _file_digest(spec.gguf_path)
@@ -204,6 +216,22 @@ def create_model(store: Store, name: str | ModelName, spec: ModelSpec, progress:
         store.prune(replaced.blobs - manifest.blobs)
     report({"status": "success"})
     return manifest
+
+
+def _quantize_base(store: Store, spec: ModelSpec, layers: list[tuple[str, str]], created: set[str], report: Progress) -> None:
+    """Quantize the base's GGUF into a new blob, which takes the place of the base's model layer."""
+    base = next((digest for media_type, digest in layers if media_type == MODEL_MEDIA_TYPE), None)
+    if base is not None:
+        source = store.blob_path(base)
+    else:
+        source = store.blob_path(spec.gguf_blob) if spec.gguf_blob is not None else spec.gguf_path
+    digest, new = quantize_to_blob(store, source, check_quantizable(source, spec.quantize), report)
+    if new:
+        created.add(digest)
+    if base is None:
+        layers.append((MODEL_MEDIA_TYPE, digest))
+    else:
+        layers[:] = [(media_type, digest if media_type == MODEL_MEDIA_TYPE else d) for media_type, d in layers]
 
 
 def _digest(content: bytes) -> str:
