@@ -1,0 +1,7 @@
+"""Hugging Face safetensors folders to GGUF, written with gguf-py (`FROM ./dir` in a Modelfile)."""
+
+from corral.convert.architectures import FAMILIES
+from corral.convert.folder import ConvertError, HFFolder
+from corral.convert.writer import convert_folder
+
+__all__ = ["FAMILIES", "ConvertError", "HFFolder", "convert_folder"]

@@ -1,0 +1,302 @@
+"""What differs between the architectures the converter knows: each family's GGUF architecture, the
+hyperparameter keys beyond the common ones, and the few tensors it rewrites.
+
+Learnt from llama.cpp's convert_hf_to_gguf.py (read, not copied); the tests prove each family's output
+equal to that converter's on the same folder. A family is a class; `FAMILIES` maps the Hugging Face
+architecture names of config.json ("LlamaForCausalLM", ...) to one.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import gguf
+import torch
+
+from corral.convert.folder import ConvertError, HFFolder
+
+
+def first(config: dict[str, Any], *keys: str, default: Any = None) -> Any:
+    """The value of the first of `keys` that config has."""
+    return next((config[key] for key in keys if key in config), default)
+
+
+class TextFamily:
+    """A decoder whose settings and tensors map onto GGUF with the common keys and gguf's tensor names."""
+
+    arch: gguf.MODEL_ARCH
+    # Values written when config.json lacks the key (a family's published default).
+    defaults: dict[str, Any] = {}
+
+    def __init__(self, folder: HFFolder):
+        self.folder = folder
+        self.config = folder.config
+        self.blocks = first(self.config, "num_hidden_layers", "n_layers", "n_layer", "num_layers")
+        if self.blocks is None:
+            raise ConvertError(f"config.json in {folder.path} says nothing of the layer count (num_hidden_layers)")
+        self.tensor_map = gguf.get_tensor_name_map(self.arch, self.blocks)
+        self.rope = self._rope_parameters()
+
+    @property
+    def arch_name(self) -> str:
+        return gguf.MODEL_ARCH_NAMES[self.arch]
+
+    def _rope_parameters(self) -> dict[str, Any]:
+        """RoPE settings as transformers 5 keeps them (`rope_parameters`), older configs' top-level keys folded in."""
+        rope = dict(first(self.config, "rope_parameters", "rope_scaling", default=None) or {})
+        if "full_attention" in rope or "sliding_attention" in rope:
+            return rope
+        theta = first(self.config, "global_rope_theta", "rope_global_theta", "rope_theta_global", "rope_theta", "rotary_emb_base")
+        local = first(self.config, "local_rope_theta", "rope_local_theta", "rope_theta_local", "swa_rope_theta", "rope_local_base_freq")
+        if local is not None:
+            rope["sliding_attention"] = {"rope_theta": local}
+        for key, value in (
+            ("rope_theta", theta),
+            ("rope_type", rope.get("type")),
+            ("partial_rotary_factor", first(self.config, "partial_rotary_factor", "rope_pct", "rope_percent")),
+            ("original_max_position_embeddings", self.config.get("original_max_position_embeddings")),
+        ):
+            if key not in rope and value is not None:
+                rope[key] = value
+        return rope
+
+    def hparam(self, name: str, *keys: str) -> Any:
+        return first(self.config, *keys, default=self.defaults.get(name))
+
+    def add_parameters(self, writer: gguf.GGUFWriter) -> None:
+        """The hyperparameters every family writes when its config has them."""
+        writer.add_block_count(self.blocks)
+        keyed = (
+            (writer.add_context_length, "context_length", ("max_position_embeddings", "n_ctx", "n_positions", "max_length", "max_sequence_length", "model_max_length")),
+            (writer.add_embedding_length, "embedding_length", ("hidden_size", "n_embd", "dim")),
+            (writer.add_feed_forward_length, "feed_forward_length", ("prefix_dense_intermediate_size", "dense_intermediate_size", "intermediate_size", "n_inner", "hidden_dim")),
+            (writer.add_head_count, "head_count", ("num_attention_heads", "n_head", "n_heads")),
+            (writer.add_head_count_kv, "head_count_kv", ("num_key_value_heads", "n_kv_heads")),
+        )
+        for add, name, keys in keyed:
+            if (value := self.hparam(name, *keys)) is not None:
+                add(value)
+        if self.config.get("is_causal") is False:
+            writer.add_causal_attention(False)
+        self.add_rope(writer)
+        for add, name, keys in (
+            (writer.add_layer_norm_rms_eps, "rms_eps", ("rms_norm_eps", "norm_eps")),
+            (writer.add_layer_norm_eps, "norm_eps", ("layer_norm_eps", "layer_norm_epsilon", "norm_epsilon")),
+            (writer.add_expert_count, "experts", ("num_local_experts", "num_experts", "n_routed_experts")),
+            (writer.add_expert_used_count, "experts_used", ("num_experts_per_tok", "num_experts_per_token", "top_k_experts")),
+        ):
+            if (value := self.hparam(name, *keys)) is not None:
+                add(value)
+        if (head_dim := self.hparam("head_dim", "head_dim")) is not None:
+            writer.add_key_length(head_dim)
+            writer.add_value_length(head_dim)
+
+    def add_rope(self, writer: gguf.GGUFWriter) -> None:
+        """RoPE's base and scaling (linear, YaRN, LongRoPE; Llama 3's becomes a rope_freqs tensor)."""
+        rope = self.rope.get("full_attention", self.rope)
+        kind, factor = rope.get("rope_type"), rope.get("factor")
+        if kind == "linear" and factor is not None:
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(factor)
+        elif kind == "yarn" and factor is not None:
+            writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+            writer.add_rope_scaling_factor(factor)
+            writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+            for add, keys in (
+                (writer.add_rope_scaling_yarn_ext_factor, ("extrapolation_factor",)),
+                (writer.add_rope_scaling_yarn_attn_factor, ("attention_factor", "attn_factor")),
+                (writer.add_rope_scaling_yarn_beta_fast, ("beta_fast",)),
+                (writer.add_rope_scaling_yarn_beta_slow, ("beta_slow",)),
+            ):
+                if (value := first(rope, *keys)) is not None:
+                    add(value)
+        elif kind in ("su", "longrope"):
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LONGROPE)
+        theta = rope.get("rope_theta", self.defaults.get("rope_theta"))
+        if theta is not None:
+            writer.add_rope_freq_base(theta)
+        if (local := self.rope.get("sliding_attention", {}).get("rope_theta")) is not None:
+            writer.add_rope_freq_base_swa(local)
+
+    def extra_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Tensors the family derives from the config (written first, already in GGUF names)."""
+        return iter(())
+
+    def skip(self, name: str) -> bool:
+        """Tensors GGUF has no place for (rotary caches, multimodal towers)."""
+        return name.endswith((".attention.masked_bias", ".attention.bias", ".rotary_emb.inv_freq"))
+
+    def rename(self, name: str) -> str:
+        """A folder's tensor name as gguf's TensorNameMap knows it."""
+        return name.replace("language_model.", "")
+
+    def modify(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A tensor rewritten as llama.cpp stores it (float32 or float16 here)."""
+        return tensor
+
+
+class LlamaFamily(TextFamily):
+    """Llama, Mistral: q and k rows permuted for ggml's RoPE on adjacent pairs; Llama 3's scaling as rope_freqs."""
+
+    arch = gguf.MODEL_ARCH.LLAMA
+
+    def add_parameters(self, writer: gguf.GGUFWriter) -> None:
+        super().add_parameters(writer)
+        writer.add_vocab_size(self.config["vocab_size"])
+        writer.add_rope_dimension_count(self.head_dim())
+
+    def head_dim(self) -> int:
+        return self.config.get("head_dim") or self.config["hidden_size"] // self.config["num_attention_heads"]
+
+    def modify(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        heads = first(self.config, "n_heads", "num_attention_heads")
+        if name.endswith(("q_proj.weight", "q_proj.bias")):
+            return pair_rope_rows(tensor, heads)
+        if name.endswith(("k_proj.weight", "k_proj.bias")):
+            return pair_rope_rows(tensor, first(self.config, "n_kv_heads", "num_key_value_heads", default=heads))
+        return tensor
+
+    def extra_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        rope = self.rope.get("full_attention", self.rope)
+        if str(rope.get("rope_type", "")).lower() == "llama3":
+            yield gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", llama3_rope_factors(rope, self.head_dim())
+
+
+def pair_rope_rows(weight: torch.Tensor, heads: int) -> torch.Tensor:
+    """Each head's rows reordered from Hugging Face's rotate-halves layout to ggml's adjacent pairs:
+    row i of the first half goes to 2i, row i of the second half to 2i + 1."""
+    halves = weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:])
+    return halves.transpose(1, 2).reshape(weight.shape)
+
+
+def llama3_rope_factors(rope: dict[str, Any], dim: int) -> torch.Tensor:
+    """Llama 3.1's per-frequency divisors: high frequencies kept, low ones divided by `factor`, a smooth ramp between."""
+    base = rope.get("rope_theta", 10000.0)
+    factor = rope.get("factor", 8.0)
+    low, high = rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
+    context = rope.get("original_max_position_embeddings", 8192)
+    frequencies = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    wavelengths = 2 * math.pi / frequencies  # float32 throughout, as llama.cpp computes them
+    smooth = (context / wavelengths - low) / (high - low)
+    ramp = 1 / ((1 - smooth) / factor + smooth)
+    factors = torch.where(wavelengths > context / low, torch.tensor(factor, dtype=torch.float32), ramp)
+    return torch.where(wavelengths < context / high, torch.tensor(1.0, dtype=torch.float32), factors)
+
+
+class Qwen2Family(TextFamily):
+    arch = gguf.MODEL_ARCH.QWEN2
+
+    def add_parameters(self, writer: gguf.GGUFWriter) -> None:
+        super().add_parameters(writer)
+        add_pooling(writer, self.folder)
+
+    def rename(self, name: str) -> str:
+        name = super().rename(name)
+        return name if name.startswith(("model.", "lm_head")) else "model." + name  # a bare Qwen2Model's names
+
+
+class Qwen3Family(Qwen2Family):
+    arch = gguf.MODEL_ARCH.QWEN3
+
+
+class Gemma3Family(TextFamily):
+    """Gemma 3: the norms' +1 folded into their weights, embedding rows past the tokenizer's dropped, SWA."""
+
+    arch = gguf.MODEL_ARCH.GEMMA3
+    defaults = {
+        "context_length": 131072,
+        "head_count": 8,
+        "rms_eps": 1e-6,
+        "head_dim": 256,
+        "head_count_kv": 4,
+        "rope_theta": 1_000_000.0,
+    }
+
+    def add_parameters(self, writer: gguf.GGUFWriter) -> None:
+        super().add_parameters(writer)
+        if self.config.get("attn_logit_softcapping") is not None:
+            raise ConvertError("a Gemma 3 config with attn_logit_softcapping: Gemma 3 has none")
+        if cap := self.config.get("final_logit_softcapping"):
+            writer.add_final_logit_softcapping(cap)
+        if self.config.get("sliding_window_pattern") != 1:
+            writer.add_sliding_window(self.config["sliding_window"])
+
+    def modify(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if "embed_tokens.weight" in name:
+            tokenizer = self.folder.json("tokenizer.json")
+            tensor = tensor[: len(tokenizer["model"]["vocab"]) + len(tokenizer.get("added_tokens", []))]
+        if name.endswith("norm.weight"):
+            tensor = tensor + 1.0  # Gemma3RMSNorm multiplies by (1 + weight)
+        return tensor
+
+
+class BertFamily(TextFamily):
+    """BERT encoders (sentence-transformers' MiniLM, bge): not causal, token types, the pooling of modules.json."""
+
+    arch = gguf.MODEL_ARCH.BERT
+
+    def add_parameters(self, writer: gguf.GGUFWriter) -> None:
+        super().add_parameters(writer)
+        writer.add_causal_attention(False)
+        add_pooling(writer, self.folder)
+
+    def skip(self, name: str) -> bool:
+        name = self.rename(name)
+        return (
+            super().skip(name)
+            or name in ("embeddings.position_ids", "pooler.dense.weight", "pooler.dense.bias")
+            or name.startswith(("cls.predictions", "cls.seq_relationship"))
+        )
+
+    def rename(self, name: str) -> str:
+        name = name.removeprefix("bert.")
+        if name.endswith(".gamma"):
+            name = name.removesuffix(".gamma") + ".weight"
+        if name.endswith(".beta"):
+            name = name.removesuffix(".beta") + ".bias"
+        return name
+
+
+POOLING = {"mean": gguf.PoolingType.MEAN, "cls": gguf.PoolingType.CLS, "lasttoken": gguf.PoolingType.LAST}
+
+
+def add_pooling(writer: gguf.GGUFWriter, folder: HFFolder) -> None:
+    """The pooling of a sentence-transformers folder (modules.json's Pooling module), when it has one."""
+    modules = folder.json("modules.json")
+    pooling = next((m for m in modules if str(m.get("type", "")).endswith("Pooling")), None) if isinstance(modules, list) else None
+    if pooling is None:
+        return
+    settings = folder.json(f"{pooling['path']}/config.json")
+    flags = {"mean": "pooling_mode_mean_tokens", "cls": "pooling_mode_cls_token", "lasttoken": "pooling_mode_lasttoken"}
+    mode = next((mode for mode, flag in flags.items() if settings.get(flag)), settings.get("pooling_mode"))
+    if mode not in POOLING:
+        raise ConvertError(f"{folder.path}: only mean, CLS and last-token pooling convert, not {mode}")
+    writer.add_pooling_type(POOLING[mode])
+
+
+FAMILIES: dict[str, type[TextFamily]] = {
+    "LlamaForCausalLM": LlamaFamily,
+    "MistralForCausalLM": LlamaFamily,
+    "Qwen2ForCausalLM": Qwen2Family,
+    "Qwen2Model": Qwen2Family,
+    "Qwen3ForCausalLM": Qwen3Family,
+    "Qwen3Model": Qwen3Family,
+    "Gemma3ForCausalLM": Gemma3Family,
+    "BertModel": BertFamily,
+    "BertForMaskedLM": BertFamily,
+}
+
+
+def family_of(folder: HFFolder) -> TextFamily:
+    """The family of config.json's `architectures`; a ConvertError listing the known ones otherwise."""
+    names = folder.config.get("architectures") or []
+    for name in names:
+        if name in FAMILIES:
+            return FAMILIES[name](folder)
+    given = ", ".join(map(str, names)) or "none"
+    raise ConvertError(
+        f"{folder.path}: cannot convert architecture {given} (config.json's `architectures`); "
+        f"corral converts {', '.join(sorted(FAMILIES))}"
+    )

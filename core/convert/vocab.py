@@ -1,0 +1,127 @@
+"""The tokenizer keys of a converted GGUF, read from the folder's tokenizer.json with `tokenizers`.
+
+Two vocabularies are written the way llama.cpp's converter writes them: byte-level BPE ("gpt2": the
+token list with each token's type, merges) and WordPiece ("bert": continuation pieces lose their
+"##", word-initial ones gain SentencePiece's "▁"). Special token ids, add_bos/add_eos and the chat
+template come from gguf.SpecialVocab, which reads tokenizer_config.json, config.json and
+generation_config.json as llama.cpp does.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import gguf
+from tokenizers import Tokenizer
+
+from corral.convert.folder import ConvertError, HFFolder
+
+log = logging.getLogger(__name__)
+
+TOKENIZER_JSON = "tokenizer.json"
+SPM_SPACE = "\u2581"
+
+
+def load_tokenizer(folder: HFFolder) -> Tokenizer:
+    if not folder.has(TOKENIZER_JSON):
+        other = " (it has a sentencepiece tokenizer.model, which corral does not convert yet)" if folder.has("tokenizer.model") else ""
+        raise ConvertError(f"{folder.path} has no {TOKENIZER_JSON}{other}: the converter reads the tokenizer from it")
+    try:
+        return Tokenizer.from_file(str(folder.path / TOKENIZER_JSON))
+    except Exception as error:  # tokenizers raises a bare Exception for a file it cannot parse
+        raise ConvertError(f"cannot read {TOKENIZER_JSON} in {folder.path}: {error}") from None
+
+
+def looks_special(token: str) -> bool:
+    """Added tokens some models leave unmarked though they are control tokens (llama.cpp's heuristics)."""
+    return (
+        token in ("<pad>", "<mask>", "<2mass>", "[@BOS@]")
+        or (token.startswith("<|") and token.endswith("|>"))
+        or (token.startswith("<\uff5c") and token.endswith("\uff5c>"))
+        or (token.startswith("<unused") and token.endswith(">"))
+    )
+
+
+def token_list(folder: HFFolder, tokenizer: Tokenizer) -> tuple[list[str], list[int]]:
+    """Every id below the config's vocab_size: its text and gguf.TokenType; ids with no token are UNUSED pads."""
+    vocab = tokenizer.get_vocab(with_added_tokens=True)
+    size = folder.config.get("vocab_size") or len(vocab)
+    if max(vocab.values()) >= size:
+        raise ConvertError(f"{TOKENIZER_JSON} has ids up to {max(vocab.values())}, more than config.json's vocab_size {size}")
+    by_id = {i: text for text, i in vocab.items()}
+    added = tokenizer.get_added_tokens_decoder()
+    tokens, types = [], []
+    for i in range(size):
+        text = by_id.get(i)
+        if text is None:
+            tokens.append(f"[PAD{i}]")
+            types.append(gguf.TokenType.UNUSED)
+        elif i in added:
+            token = added[i]
+            if not token.normalized:  # llama.cpp takes added tokens as already normalized: normalize it
+                text = tokenizer.decode(tokenizer.encode(text, add_special_tokens=False).ids, skip_special_tokens=False)
+            if token.special or looks_special(text):
+                types.append(gguf.TokenType.CONTROL)
+            else:
+                text = text.replace(SPM_SPACE, " ")
+                types.append(gguf.TokenType.USER_DEFINED)
+            tokens.append(text)
+        else:
+            tokens.append(text)
+            types.append(gguf.TokenType.NORMAL)
+    return tokens, types
+
+
+def pre_tokenizer_name(folder: HFFolder) -> str:
+    """llama.cpp's name for the folder's pre-tokenizer (`tokenizer.ggml.pre`), recognised by its structure.
+
+    llama.cpp's converter recognises a pre-tokenizer by hashing a published tokenizer's output on a
+    test text; corral looks at what tokenizer.json says instead, which also covers a fine-tune's or a
+    test's tokenizer. Unrecognised ones get "default" (llama.cpp then splits as GPT-2 does), with a warning.
+    """
+    spec = folder.json(TOKENIZER_JSON)
+    model = (spec.get("model") or {}).get("type")
+    pre = spec.get("pre_tokenizer") or {}
+    steps = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
+    kinds = [step.get("type") for step in steps]
+    patterns = [json.dumps(step.get("pattern", "")) for step in steps if step.get("type") == "Split"]
+    if model == "WordPiece" and kinds == ["BertPreTokenizer"]:
+        return "jina-v2-en"  # what llama.cpp's hash table says for BERT's lower-casing WordPiece (all-MiniLM, bge)
+    if kinds == ["ByteLevel"] and pre.get("use_regex", True):
+        return "gpt-2"
+    if kinds == ["Digits", "ByteLevel"] and steps[0].get("individual_digits"):
+        return "smollm"  # SmolLM's (and StarCoder's) GPT-2 split with one digit per token
+    if kinds == ["Split", "ByteLevel"] and "\\\\p{N}{1,3}" in patterns[0]:
+        return "llama-bpe"  # Llama 3's split: up to three digits per token
+    if kinds == ["Split", "ByteLevel"] and "\\\\p{N}|" in patterns[0]:
+        return "qwen2"
+    log.warning("%s: unrecognised pre-tokenizer %s; writing tokenizer.ggml.pre 'default'", folder.path, kinds)
+    return "default"
+
+
+def add_vocab(writer: gguf.GGUFWriter, folder: HFFolder) -> None:
+    """Write the tokenizer keys of a byte-level BPE or WordPiece tokenizer.json."""
+    tokenizer = load_tokenizer(folder)
+    kind = (folder.json(TOKENIZER_JSON).get("model") or {}).get("type")
+    tokens, types = token_list(folder, tokenizer)
+    if kind == "WordPiece":
+        writer.add_token_type_count(folder.config.get("type_vocab_size", 1))
+        tokens = [_phantom_space(token, kind) for token, kind in zip(tokens, types)]
+        writer.add_tokenizer_model("bert")
+    elif kind == "BPE":
+        writer.add_tokenizer_model("gpt2")
+    else:
+        raise ConvertError(f"{TOKENIZER_JSON} in {folder.path} is a {kind} tokenizer; corral converts BPE and WordPiece ones")
+    writer.add_tokenizer_pre(pre_tokenizer_name(folder))
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    special = gguf.SpecialVocab(folder.path, load_merges=kind == "BPE", n_vocab=None if kind == "BPE" else len(tokens))
+    special.add_to_gguf(writer, quiet=True)
+
+
+def _phantom_space(token: str, kind: int) -> str:
+    """WordPiece as llama.cpp stores it: "##" continuations bare, word starts after "▁", control tokens as they are."""
+    if kind == gguf.TokenType.CONTROL:
+        return token
+    return token[2:] if token.startswith("##") else SPM_SPACE + token

@@ -1,0 +1,90 @@
+"""Write a GGUF from a Hugging Face folder with gguf-py's GGUFWriter: metadata, tokenizer, tensors.
+
+The output type follows the folder's, like llama.cpp's `--outtype auto` except for float32: the first
+matrix decides, BF16 stays BF16, F16 stays F16, and F32 stays F32 (llama.cpp's auto would halve it
+to F16; corral keeps the reference precision and leaves smaller types to quantization). Vectors,
+norms, biases and the few matrices llama.cpp always keeps wide (router, position and token-type
+embeddings) are F32 whatever the output type.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+
+from corral.convert.architectures import TextFamily, family_of
+from corral.convert.folder import ConvertError, HFFolder
+from corral.convert.vocab import add_vocab
+
+log = logging.getLogger(__name__)
+
+FILE_TYPES = {
+    torch.float32: (gguf.LlamaFileType.ALL_F32, gguf.GGMLQuantizationType.F32),
+    torch.float16: (gguf.LlamaFileType.MOSTLY_F16, gguf.GGMLQuantizationType.F16),
+    torch.bfloat16: (gguf.LlamaFileType.MOSTLY_BF16, gguf.GGMLQuantizationType.BF16),
+}
+# Matrices llama.cpp keeps in F32 whatever the output type.
+ALWAYS_F32 = (
+    gguf.MODEL_TENSOR.FFN_GATE_INP,
+    gguf.MODEL_TENSOR.FFN_GATE_INP_SHEXP,
+    gguf.MODEL_TENSOR.POS_EMBD,
+    gguf.MODEL_TENSOR.TOKEN_TYPES,
+)
+
+VocabWriter = Callable[[gguf.GGUFWriter, HFFolder], None]
+
+
+def convert_folder(path: str | os.PathLike, out: str | os.PathLike, vocab: VocabWriter = add_vocab) -> Path:
+    """Convert the model folder at `path` to the GGUF file `out`; `vocab` writes the tokenizer keys."""
+    folder = HFFolder.open(path)
+    family = family_of(folder)
+    file_type, tensor_type = FILE_TYPES.get(folder.first_matrix_dtype(), FILE_TYPES[torch.float32])
+    writer = gguf.GGUFWriter(path=None, arch=family.arch_name)
+    add_tensors(writer, family, tensor_type)
+    writer.add_type(gguf.GGUFType.MODEL)
+    writer.add_name(folder.path.name)
+    total, shared, expert, experts = writer.get_total_parameter_count()
+    if total > 0:
+        writer.add_size_label(gguf.size_label(total, shared, expert, experts))
+    family.add_parameters(writer)
+    writer.add_file_type(file_type)
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    vocab(writer, folder)
+    out = Path(out)
+    writer.write_header_to_file(path=out)
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def add_tensors(writer: gguf.GGUFWriter, family: TextFamily, tensor_type: gguf.GGMLQuantizationType) -> None:
+    """Every tensor under its GGUF name, rewritten as the family says, in its GGUF type."""
+    for name, tensor in family.extra_tensors():
+        writer.add_tensor(name, tensor.numpy(), raw_dtype=gguf.GGMLQuantizationType.F32)
+    for name, tensor in family.folder.tensors():
+        if family.skip(name):
+            continue
+        name = family.rename(name)
+        if tensor.dtype not in (torch.float16, torch.float32):
+            tensor = tensor.to(torch.float32)
+        tensor = family.modify(name, tensor)
+        gguf_name = family.tensor_map.get_name(name, try_suffixes=(".weight", ".bias"))
+        if gguf_name is None:
+            raise ConvertError(f"{family.folder.path}: tensor {name} has no GGUF name in {family.arch_name}")
+        qtype = stored_type(family, gguf_name, tensor.ndim, tensor_type)
+        writer.add_tensor(gguf_name, gguf.quants.quantize(np.ascontiguousarray(tensor.numpy()), qtype), raw_dtype=qtype)
+
+
+def stored_type(family: TextFamily, name: str, dims: int, wanted: gguf.GGMLQuantizationType) -> gguf.GGMLQuantizationType:
+    """F32 for what llama.cpp keeps wide (vectors, norms, biases, ALWAYS_F32), else the output type."""
+    if dims <= 1 or name.endswith("_norm.weight") or not name.endswith(".weight"):
+        return gguf.GGMLQuantizationType.F32
+    wide = {gguf.TENSOR_NAMES[kind].format(bid=i) + ".weight" for kind in ALWAYS_F32 for i in range(family.blocks)}
+    return gguf.GGMLQuantizationType.F32 if name in wide else wanted
