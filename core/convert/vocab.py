@@ -28,9 +28,13 @@ def load_tokenizer(folder: HFFolder) -> Tokenizer:
         other = " (it has a sentencepiece tokenizer.model, which corral does not convert yet)" if folder.has("tokenizer.model") else ""
         raise ConvertError(f"{folder.path} has no {TOKENIZER_JSON}{other}: the converter reads the tokenizer from it")
     try:
-        return Tokenizer.from_file(str(folder.path / TOKENIZER_JSON))
+        tokenizer = Tokenizer.from_file(str(folder.path / TOKENIZER_JSON))
     except Exception as error:  # tokenizers raises a bare Exception for a file it cannot parse
         raise ConvertError(f"cannot read {TOKENIZER_JSON} in {folder.path}: {error}") from None
+    # A file may fix a padded length for its own use (all-MiniLM pads to 128): encode one text as it is.
+    tokenizer.no_padding()
+    tokenizer.no_truncation()
+    return tokenizer
 
 
 def looks_special(token: str) -> bool:
@@ -118,6 +122,34 @@ def add_vocab(writer: gguf.GGUFWriter, folder: HFFolder) -> None:
     writer.add_token_types(types)
     special = gguf.SpecialVocab(folder.path, load_merges=kind == "BPE", n_vocab=None if kind == "BPE" else len(tokens))
     special.add_to_gguf(writer, quiet=True)
+    if not hasattr(special, "normalizer_lowercase"):  # gguf releases before the normalizer flags
+        add_normalizer_flags(writer, folder.json(TOKENIZER_JSON).get("normalizer") or {})
+
+
+NORMALIZER_LOWERCASE = "tokenizer.ggml.normalizer.lowercase"
+NORMALIZER_STRIP_ACCENTS = "tokenizer.ggml.normalizer.strip_accents"
+
+
+def normalizer_flags(normalizer: dict) -> dict[str, bool]:
+    """Whether tokenizer.json's normalizer lower-cases and strips accents (keys absent where it does not say)."""
+    kind = normalizer.get("type")
+    if kind == "Lowercase":
+        return {NORMALIZER_LOWERCASE: True}
+    if kind == "StripAccents":
+        return {NORMALIZER_STRIP_ACCENTS: True}
+    if kind == "BertNormalizer":
+        said = {NORMALIZER_LOWERCASE: normalizer.get("lowercase"), NORMALIZER_STRIP_ACCENTS: normalizer.get("strip_accents")}
+        return {key: value for key, value in said.items() if value is not None}
+    flags: dict[str, bool] = {}
+    for step in normalizer.get("normalizers", []) if kind == "Sequence" else []:
+        flags |= normalizer_flags(step)
+    return flags
+
+
+def add_normalizer_flags(writer: gguf.GGUFWriter, normalizer: dict) -> None:
+    """The normalizer keys llama.cpp's WordPiece tokenizer reads (newer gguf-py's SpecialVocab writes them itself)."""
+    for key, value in normalizer_flags(normalizer).items():
+        writer.add_bool(key, bool(value))
 
 
 def _phantom_space(token: str, kind: int) -> str:

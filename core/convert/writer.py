@@ -48,10 +48,7 @@ def convert_folder(path: str | os.PathLike, out: str | os.PathLike, vocab: Vocab
     writer = gguf.GGUFWriter(path=None, arch=family.arch_name)
     add_tensors(writer, family, tensor_type)
     writer.add_type(gguf.GGUFType.MODEL)
-    writer.add_name(folder.path.name)
-    total, shared, expert, experts = writer.get_total_parameter_count()
-    if total > 0:
-        writer.add_size_label(gguf.size_label(total, shared, expert, experts))
+    add_provenance(writer, folder)
     family.add_parameters(writer)
     writer.add_file_type(file_type)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
@@ -62,6 +59,17 @@ def convert_folder(path: str | os.PathLike, out: str | os.PathLike, vocab: Vocab
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+def add_provenance(writer: gguf.GGUFWriter, folder: HFFolder) -> None:
+    """The general.* keys of the model card (README.md's front matter, config's _name_or_path) via gguf.Metadata."""
+    total, shared, expert, experts = writer.get_total_parameter_count()
+    metadata = gguf.Metadata.load(None, folder.path, None, total)
+    if metadata.name is None:
+        metadata.name = folder.path.name
+    if metadata.size_label is None and total > 0:
+        metadata.size_label = gguf.size_label(total, shared, expert, experts)
+    metadata.set_gguf_meta_model(writer)
 
 
 def add_tensors(writer: gguf.GGUFWriter, family: TextFamily, tensor_type: gguf.GGMLQuantizationType) -> None:
