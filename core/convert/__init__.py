@@ -2,6 +2,6 @@
 
 from corral.convert.architectures import FAMILIES
 from corral.convert.folder import ConvertError, HFFolder
-from corral.convert.writer import convert_folder
+from corral.convert.writer import check_folder, convert_folder
 
-__all__ = ["FAMILIES", "ConvertError", "HFFolder", "convert_folder"]
+__all__ = ["FAMILIES", "ConvertError", "HFFolder", "check_folder", "convert_folder"]

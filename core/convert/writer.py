@@ -20,7 +20,7 @@ import torch
 
 from corral.convert.architectures import TextFamily, family_of
 from corral.convert.folder import ConvertError, HFFolder
-from corral.convert.vocab import add_vocab
+from corral.convert.vocab import add_vocab, load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +38,25 @@ ALWAYS_F32 = (
 )
 
 VocabWriter = Callable[[gguf.GGUFWriter, HFFolder], None]
+
+
+def check_folder(path: str | os.PathLike) -> TextFamily:
+    """Everything `convert_folder` needs, checked without reading a weight: config, architecture, tokenizer, tensor names."""
+    folder = HFFolder.open(path)
+    family = family_of(folder)
+    load_tokenizer(folder)
+    for name in folder.weights:
+        if not family.skip(name):
+            gguf_name(family, family.rename(name))
+    return family
+
+
+def gguf_name(family: TextFamily, name: str) -> str:
+    """The GGUF name of a (renamed) folder tensor; a ConvertError for one gguf's map does not know."""
+    mapped = family.tensor_map.get_name(name, try_suffixes=(".weight", ".bias"))
+    if mapped is None:
+        raise ConvertError(f"{family.folder.path}: tensor {name} has no GGUF name in {family.arch_name}")
+    return mapped
 
 
 def convert_folder(path: str | os.PathLike, out: str | os.PathLike, vocab: VocabWriter = add_vocab) -> Path:
@@ -83,11 +102,9 @@ def add_tensors(writer: gguf.GGUFWriter, family: TextFamily, tensor_type: gguf.G
         if tensor.dtype not in (torch.float16, torch.float32):
             tensor = tensor.to(torch.float32)
         tensor = family.modify(name, tensor)
-        gguf_name = family.tensor_map.get_name(name, try_suffixes=(".weight", ".bias"))
-        if gguf_name is None:
-            raise ConvertError(f"{family.folder.path}: tensor {name} has no GGUF name in {family.arch_name}")
-        qtype = stored_type(family, gguf_name, tensor.ndim, tensor_type)
-        writer.add_tensor(gguf_name, gguf.quants.quantize(np.ascontiguousarray(tensor.numpy()), qtype), raw_dtype=qtype)
+        target = gguf_name(family, name)
+        qtype = stored_type(family, target, tensor.ndim, tensor_type)
+        writer.add_tensor(target, gguf.quants.quantize(np.ascontiguousarray(tensor.numpy()), qtype), raw_dtype=qtype)
 
 
 def stored_type(family: TextFamily, name: str, dims: int, wanted: gguf.GGMLQuantizationType) -> gguf.GGMLQuantizationType:

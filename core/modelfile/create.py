@@ -12,12 +12,14 @@ import hashlib
 import json
 import logging
 import os
+import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 import attrs
 
+from corral.convert import ConvertError, check_folder, convert_folder
 from corral.errors import CorralError, GGUFError, ModelNotFoundError
 from corral.gguf import GGUFFile
 from corral.modelfile.defaults import stored_parameters
@@ -47,12 +49,14 @@ class CreateModelError(CorralError):
 
 @attrs.frozen
 class ModelSpec:
-    """What `create_model` builds: one base (a model in the store, an uploaded GGUF blob or a GGUF file on
-    this machine) and the layers that replace the base's; None keeps the base's layer, "" removes it."""
+    """What `create_model` builds: one base (a model in the store, an uploaded GGUF blob, a GGUF file or a
+    Hugging Face safetensors folder on this machine) and the layers that replace the base's; None keeps
+    the base's layer, "" removes it."""
 
     from_model: str | None = None
     gguf_blob: str | None = None
     gguf_path: Path | None = attrs.field(default=None, converter=attrs.converters.optional(Path))
+    hf_folder: Path | None = attrs.field(default=None, converter=attrs.converters.optional(Path))  # converted to GGUF
     template: str | None = None
     system: str | None = None
     parameters: dict[str, Any] | None = None  # JSON-ready, as `validate_parameters` returns them
@@ -60,15 +64,18 @@ class ModelSpec:
     license: tuple[str, ...] = ()  # added to the base's
 
     def __attrs_post_init__(self) -> None:
-        given = [v for v in (self.from_model, self.gguf_blob, self.gguf_path) if v is not None]
+        given = [v for v in (self.from_model, self.gguf_blob, self.gguf_path, self.hf_folder) if v is not None]
         if len(given) != 1:
             raise CreateModelError("give exactly one base: `from` (a model name) or `files` (an uploaded GGUF)")
 
     @classmethod
     def from_modelfile(cls, modelfile: Modelfile, directory: str | os.PathLike | None = None) -> ModelSpec:
-        """What to create: FROM is a GGUF file (relative to `directory`) when it names one, else a model."""
+        """What to create: FROM is a GGUF file or a safetensors folder (relative to `directory`) when it names one, else a model."""
         source = _resolve_from(modelfile.from_, directory)
-        base = {"gguf_path": source} if isinstance(source, Path) else {"from_model": source}
+        if isinstance(source, Path):
+            base = {"hf_folder": source} if source.is_dir() else {"gguf_path": source}
+        else:
+            base = {"from_model": source}
         return cls(
             **base,
             template=modelfile.template,
@@ -80,7 +87,7 @@ class ModelSpec:
 
 
 def _resolve_from(value: str, directory: str | os.PathLike | None) -> str | Path:
-    """A FROM argument as a GGUF path (absolute) or a model name."""
+    """A FROM argument as a GGUF file or model folder (absolute) or a model name."""
     looks_like_path = value.startswith(("/", "./", "../", "~")) or value.lower().endswith(".gguf")
     path = Path(value).expanduser()
     if not path.is_absolute():
@@ -91,9 +98,7 @@ def _resolve_from(value: str, directory: str | os.PathLike | None) -> str | Path
                 )
             return value
         path = Path(directory) / path
-    if path.is_dir():
-        raise ModelfileError(f"FROM {value}: {path} is a directory; corral creates models from one GGUF file")
-    if path.is_file():
+    if path.is_dir() or path.is_file():
         return path.resolve()
     if looks_like_path:
         raise ModelfileError(f"FROM {value}: no such file {path}")
@@ -118,6 +123,11 @@ def check_spec(store: Store, spec: ModelSpec) -> tuple[Layer, ...]:
         if not store.has_blob(digest):
             raise CreateModelError(f"blob {digest} is not in the store; upload it with POST /api/blobs/{digest}")
         _check_gguf(store.blob_path(digest), f"the uploaded file {digest}")
+    elif spec.hf_folder is not None:
+        try:
+            check_folder(spec.hf_folder)
+        except ConvertError as error:
+            raise CreateModelError(str(error)) from None
     else:
         _check_gguf(spec.gguf_path, str(spec.gguf_path))
     return ()
@@ -146,7 +156,9 @@ def create_model(store: Store, name: str | ModelName, spec: ModelSpec, progress:
     report = progress or (lambda event: None)
     model_name = parse_name(name)
     base_layers = check_spec(store, spec)
-    if spec.from_model is None:
+    if spec.hf_folder is not None:
+        report({"status": "converting model"})
+    elif spec.from_model is None:
         report({"status": "parsing GGUF"})
     layers = [(layer.media_type, layer.digest) for layer in base_layers]
     created: set[str] = set()
@@ -157,6 +169,8 @@ def create_model(store: Store, name: str | ModelName, spec: ModelSpec, progress:
         if not store.has_blob(digest):
             created.add(store.write_blob(spec.gguf_path, digest))
         layers.append((MODEL_MEDIA_TYPE, digest))
+    elif spec.hf_folder is not None:
+        layers.append((MODEL_MEDIA_TYPE, _converted_blob(store, spec.hf_folder, created)))
     new: dict[str, bytes] = {}  # digest -> content of the layers this create adds
 
     def replace(media_type: str, content: bytes | None) -> None:
@@ -193,6 +207,19 @@ def create_model(store: Store, name: str | ModelName, spec: ModelSpec, progress:
         store.prune(replaced.blobs - manifest.blobs)
     report({"status": "success"})
     return manifest
+
+
+def _converted_blob(store: Store, folder: Path, created: set[str]) -> str:
+    """Convert a safetensors folder to GGUF (in a temporary file, so a failure leaves the store as it was) and store it."""
+    with tempfile.TemporaryDirectory(prefix="corral-convert-") as scratch:
+        try:
+            path = convert_folder(folder, Path(scratch) / "model.gguf")
+        except ConvertError as error:
+            raise CreateModelError(str(error)) from None
+        digest = _file_digest(path)
+        if not store.has_blob(digest):
+            created.add(store.write_blob(path, digest))
+    return digest
 
 
 def _digest(content: bytes) -> str:

@@ -71,7 +71,7 @@ def _spec_from_body(body: dict) -> tuple[ModelSpec, list[dict]]:
     if from_model and files:
         raise ApiError(400, "give either `from` (a model name) or `files` (uploaded GGUF blobs), not both")
     if from_model or files:
-        fields.update(from_model=from_model, gguf_blob=_gguf_digest(files) if files else None, gguf_path=None)
+        fields.update(from_model=from_model, gguf_blob=_gguf_digest(files) if files else None, gguf_path=None, hf_folder=None)
     elif not fields:
         raise ApiError(400, "give `from` (a model name) or `files` (an uploaded GGUF: {name: digest})")
     for key in ("template", "system"):
