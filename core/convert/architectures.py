@@ -9,6 +9,7 @@ architecture names of config.json ("LlamaForCausalLM", ...) to one.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -136,6 +137,59 @@ class TextFamily:
         """A tensor rewritten as llama.cpp stores it (float32 or float16 here)."""
         return tensor
 
+    def tensors(self, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+        """The (folder-named) tensors one folder tensor becomes: itself, modified, unless a family regroups it."""
+        yield name, self.modify(name, tensor)
+
+    def finish(self) -> None:
+        """Called after the last tensor: a family holding tensors back says which were never written."""
+
+    def regroups(self, name: str) -> bool:
+        """Whether `tensors` merges this folder tensor into another (so it has no GGUF name of its own)."""
+        return False
+
+
+EXPERT = re.compile(r"^(?P<layer>.*\.(?P<block>\d+)\..*\.experts)\.(?P<expert>\d+)\.(?P<kind>\w+)\.weight$")
+
+
+class ExpertStacking(TextFamily):
+    """Mixture-of-experts folders that keep one matrix per expert: GGUF stacks a layer's experts of each
+    kind into one 3-D tensor, written (in `expert_kinds` order) once the layer's last expert is read."""
+
+    expert_kinds: tuple[str, ...] = ()
+
+    def __init__(self, folder: HFFolder):
+        super().__init__(folder)
+        self.experts = first(self.config, "num_local_experts", "num_experts", "n_routed_experts")
+        self.pending: dict[str, dict[tuple[str, int], torch.Tensor]] = {}
+
+    def tensors(self, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+        match = EXPERT.match(name)
+        if match is None or match["kind"] not in self.expert_kinds:
+            yield from super().tensors(name, tensor)
+            return
+        layer = self.pending.setdefault(match["layer"], {})
+        layer[match["kind"], int(match["expert"])] = self.modify(name, tensor)
+        if len(layer) == self.experts * len(self.expert_kinds):
+            del self.pending[match["layer"]]
+            for kind in self.expert_kinds:
+                yield f"{match['layer']}.{kind}.weight", torch.stack([layer[kind, i] for i in range(self.experts)])
+
+    def regroups(self, name: str) -> bool:
+        match = EXPERT.match(name)
+        return match is not None and match["kind"] in self.expert_kinds
+
+    def finish(self) -> None:
+        if self.pending:
+            raise ConvertError(f"{self.folder.path}: experts missing from {', '.join(sorted(self.pending))}")
+
+    def add_parameters(self, writer: gguf.GGUFWriter) -> None:
+        super().add_parameters(writer)
+        if (size := self.config.get("moe_intermediate_size")) is not None:
+            writer.add_expert_feed_forward_length(size)
+        if (size := self.config.get("shared_expert_intermediate_size")) is not None:
+            writer.add_expert_shared_feed_forward_length(size)
+
 
 class LlamaFamily(TextFamily):
     """Llama, Mistral: q and k rows permuted for ggml's RoPE on adjacent pairs; Llama 3's scaling as rope_freqs."""
@@ -199,6 +253,52 @@ class Qwen2Family(TextFamily):
 
 class Qwen3Family(Qwen2Family):
     arch = gguf.MODEL_ARCH.QWEN3
+
+
+class MixtralFamily(ExpertStacking, LlamaFamily):
+    """Mixtral: a llama file with experts (ffn_*_exps)."""
+
+    expert_kinds = ("w1", "w2", "w3")
+
+
+class Qwen2MoeFamily(ExpertStacking):
+    arch = gguf.MODEL_ARCH.QWEN2MOE
+    expert_kinds = ("down_proj", "gate_proj", "up_proj")
+
+
+class Qwen3MoeFamily(Qwen2MoeFamily):
+    arch = gguf.MODEL_ARCH.QWEN3MOE
+
+
+class OlmoeFamily(Qwen2MoeFamily):
+    """OLMoE: written with an RMS epsilon of 1e-5 whatever the config says, as llama.cpp does."""
+
+    arch = gguf.MODEL_ARCH.OLMOE
+
+    def add_parameters(self, writer: gguf.GGUFWriter) -> None:
+        super().add_parameters(writer)
+        replace_key(writer, gguf.Keys.Attention.Layernorm.RMS_EPS.format(arch=self.arch_name))
+        writer.add_layer_norm_rms_eps(1e-5)
+
+
+class Olmo2Family(TextFamily):
+    """OLMo 2 and 3 (OLMo 3's sliding window and its per-layer pattern: every 4th layer global by default)."""
+
+    arch = gguf.MODEL_ARCH.OLMO2
+
+    def add_parameters(self, writer: gguf.GGUFWriter) -> None:
+        super().add_parameters(writer)
+        if "sliding_window" in self.config:
+            writer.add_sliding_window(self.config["sliding_window"])
+            kinds = self.config.get("layer_types")
+            pattern = [kind == "sliding_attention" for kind in kinds] if kinds else [(i + 1) % 4 != 0 for i in range(self.blocks)]
+            writer.add_sliding_window_pattern(pattern)
+
+
+def replace_key(writer: gguf.GGUFWriter, key: str) -> None:
+    """Forget a key already written, so that a family's own value replaces the common one."""
+    for data in writer.kv_data:
+        data.pop(key, None)
 
 
 class Gemma3Family(TextFamily):
@@ -279,6 +379,12 @@ def add_pooling(writer: gguf.GGUFWriter, folder: HFFolder) -> None:
 FAMILIES: dict[str, type[TextFamily]] = {
     "LlamaForCausalLM": LlamaFamily,
     "MistralForCausalLM": LlamaFamily,
+    "MixtralForCausalLM": MixtralFamily,
+    "Qwen2MoeForCausalLM": Qwen2MoeFamily,
+    "Qwen3MoeForCausalLM": Qwen3MoeFamily,
+    "OlmoeForCausalLM": OlmoeFamily,
+    "Olmo2ForCausalLM": Olmo2Family,
+    "Olmo3ForCausalLM": Olmo2Family,
     "Qwen2ForCausalLM": Qwen2Family,
     "Qwen2Model": Qwen2Family,
     "Qwen3ForCausalLM": Qwen3Family,

@@ -46,7 +46,7 @@ def check_folder(path: str | os.PathLike) -> TextFamily:
     family = family_of(folder)
     load_tokenizer(folder)
     for name in folder.weights:
-        if not family.skip(name):
+        if not family.skip(name) and not family.regroups(family.rename(name)):
             gguf_name(family, family.rename(name))
     return family
 
@@ -101,10 +101,11 @@ def add_tensors(writer: gguf.GGUFWriter, family: TextFamily, tensor_type: gguf.G
         name = family.rename(name)
         if tensor.dtype not in (torch.float16, torch.float32):
             tensor = tensor.to(torch.float32)
-        tensor = family.modify(name, tensor)
-        target = gguf_name(family, name)
-        qtype = stored_type(family, target, tensor.ndim, tensor_type)
-        writer.add_tensor(target, gguf.quants.quantize(np.ascontiguousarray(tensor.numpy()), qtype), raw_dtype=qtype)
+        for name, tensor in family.tensors(name, tensor):
+            target = gguf_name(family, name)
+            qtype = stored_type(family, target, tensor.ndim, tensor_type)
+            writer.add_tensor(target, gguf.quants.quantize(np.ascontiguousarray(tensor.numpy()), qtype), raw_dtype=qtype)
+    family.finish()
 
 
 def stored_type(family: TextFamily, name: str, dims: int, wanted: gguf.GGMLQuantizationType) -> gguf.GGMLQuantizationType:
