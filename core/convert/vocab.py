@@ -25,8 +25,7 @@ SPM_SPACE = "\u2581"
 
 def load_tokenizer(folder: HFFolder) -> Tokenizer:
     if not folder.has(TOKENIZER_JSON):
-        other = " (it has a sentencepiece tokenizer.model, which corral does not convert yet)" if folder.has("tokenizer.model") else ""
-        raise ConvertError(f"{folder.path} has no {TOKENIZER_JSON}{other}: the converter reads the tokenizer from it")
+        raise ConvertError(f"{folder.path} has no {TOKENIZER_JSON}: the converter reads this model's tokenizer from it")
     try:
         tokenizer = Tokenizer.from_file(str(folder.path / TOKENIZER_JSON))
     except Exception as error:  # tokenizers raises a bare Exception for a file it cannot parse
@@ -104,7 +103,7 @@ def pre_tokenizer_name(folder: HFFolder) -> str:
     return "default"
 
 
-def add_vocab(writer: gguf.GGUFWriter, folder: HFFolder) -> None:
+def add_json_vocab(writer: gguf.GGUFWriter, folder: HFFolder) -> None:
     """Write the tokenizer keys of a byte-level BPE or WordPiece tokenizer.json."""
     tokenizer = load_tokenizer(folder)
     kind = (folder.json(TOKENIZER_JSON).get("model") or {}).get("type")
@@ -157,3 +156,67 @@ def _phantom_space(token: str, kind: int) -> str:
     if kind == gguf.TokenType.CONTROL:
         return token
     return token[2:] if token.startswith("##") else SPM_SPACE + token
+
+
+TOKENIZER_MODEL = "tokenizer.model"
+
+
+def add_spm_vocab(writer: gguf.GGUFWriter, folder: HFFolder) -> None:
+    """Write the tokenizer keys of a sentencepiece tokenizer.model ("llama": pieces, scores, types).
+
+    As llama.cpp's converter: ids up to the config's vocab_size, unused ones "[PAD<id>]"; added_tokens.json
+    and tokenizer_config.json's added_tokens_decoder override pieces (control or user-defined, score -1000).
+    """
+    tokens, scores, types = spm_token_list(folder)
+    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    gguf.SpecialVocab(folder.path, n_vocab=len(tokens)).add_to_gguf(writer, quiet=True)
+
+
+def spm_token_list(folder: HFFolder) -> tuple[list[bytes], list[float], list[int]]:
+    from sentencepiece import SentencePieceProcessor
+
+    processor = SentencePieceProcessor()
+    try:
+        processor.LoadFromFile(str(folder.path / TOKENIZER_MODEL))
+    except (OSError, RuntimeError) as error:
+        raise ConvertError(f"cannot read {TOKENIZER_MODEL} in {folder.path}: {error}") from None
+    pieces = processor.vocab_size()
+    size = folder.config.get("vocab_size") or pieces
+    tokens = [f"[PAD{i}]".encode() for i in range(size)]
+    scores = [-10000.0] * size
+    types = [gguf.TokenType.UNUSED] * size
+    for i in range(min(pieces, size)):
+        tokens[i] = processor.IdToPiece(i).encode()
+        scores[i] = processor.GetScore(i)
+        types[i] = _spm_type(processor, i)
+    for text, i in (folder.json("added_tokens.json") or {}).items():
+        if i < size:
+            tokens[i], scores[i], types[i] = text.encode(), -1000.0, gguf.TokenType.USER_DEFINED
+    decoder = (folder.json("tokenizer_config.json") or {}).get("added_tokens_decoder", {})
+    for key, added in decoder.items():
+        i, text = int(key), added["content"]
+        if i >= size:
+            continue
+        if added.get("special") or looks_special(text):
+            types[i] = gguf.TokenType.CONTROL
+        else:
+            text = text.replace(SPM_SPACE, " ")
+            types[i] = gguf.TokenType.USER_DEFINED
+        tokens[i], scores[i] = text.encode(), -1000.0
+    return tokens, scores, types
+
+
+def _spm_type(processor, i: int) -> int:
+    if processor.IsUnknown(i):
+        return gguf.TokenType.UNKNOWN
+    if processor.IsControl(i):
+        return gguf.TokenType.CONTROL
+    if processor.IsUnused(i):
+        return gguf.TokenType.UNUSED
+    if processor.IsByte(i):
+        return gguf.TokenType.BYTE
+    return gguf.TokenType.NORMAL

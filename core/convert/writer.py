@@ -20,7 +20,7 @@ import torch
 
 from corral.convert.architectures import TextFamily, family_of
 from corral.convert.folder import ConvertError, HFFolder
-from corral.convert.vocab import add_vocab, load_tokenizer
+from corral.convert.vocab import TOKENIZER_MODEL, load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,8 @@ def check_folder(path: str | os.PathLike) -> TextFamily:
     """Everything `convert_folder` needs, checked without reading a weight: config, architecture, tokenizer, tensor names."""
     folder = HFFolder.open(path)
     family = family_of(folder)
-    load_tokenizer(folder)
+    if not folder.has(TOKENIZER_MODEL):
+        load_tokenizer(folder)
     for name in folder.weights:
         if not family.skip(name) and not family.regroups(family.rename(name)):
             gguf_name(family, family.rename(name))
@@ -59,8 +60,9 @@ def gguf_name(family: TextFamily, name: str) -> str:
     return mapped
 
 
-def convert_folder(path: str | os.PathLike, out: str | os.PathLike, vocab: VocabWriter = add_vocab) -> Path:
-    """Convert the model folder at `path` to the GGUF file `out`; `vocab` writes the tokenizer keys."""
+def convert_folder(path: str | os.PathLike, out: str | os.PathLike, vocab: VocabWriter | None = None) -> Path:
+    """Convert the model folder at `path` to the GGUF file `out`; `vocab`, where given, writes the tokenizer
+    keys instead of the family's own reading of the folder's tokenizer."""
     folder = HFFolder.open(path)
     family = family_of(folder)
     file_type, tensor_type = FILE_TYPES.get(folder.first_matrix_dtype(), FILE_TYPES[torch.float32])
@@ -71,7 +73,10 @@ def convert_folder(path: str | os.PathLike, out: str | os.PathLike, vocab: Vocab
     family.add_parameters(writer)
     writer.add_file_type(file_type)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    vocab(writer, folder)
+    if vocab is None:
+        family.add_vocab(writer)
+    else:
+        vocab(writer, folder)
     out = Path(out)
     writer.write_header_to_file(path=out)
     writer.write_kv_data_to_file()
