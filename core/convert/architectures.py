@@ -301,7 +301,7 @@ class OlmoeFamily(Qwen2MoeFamily):
 
     def add_parameters(self, writer: gguf.GGUFWriter) -> None:
         super().add_parameters(writer)
-        replace_key(writer, gguf.Keys.Attention.Layernorm.RMS_EPS.format(arch=self.arch_name))
+        replace_key(writer, gguf.Keys.Attention.LAYERNORM_RMS_EPS.format(arch=self.arch_name))
         writer.add_layer_norm_rms_eps(1e-5)
 
 
