@@ -34,7 +34,7 @@ class TextFamily:
 
     def __init__(self, folder: HFFolder):
         self.folder = folder
-        self.config = folder.config
+        self.config = dict(folder.config)  # a family may drop or override a setting
         self.blocks = first(self.config, "num_hidden_layers", "n_layers", "n_layer", "num_layers")
         if self.blocks is None:
             raise ConvertError(f"config.json in {folder.path} says nothing of the layer count (num_hidden_layers)")
@@ -260,6 +260,115 @@ def llama3_rope_factors(rope: dict[str, Any], dim: int) -> torch.Tensor:
     return torch.where(wavelengths < context / high, torch.tensor(1.0, dtype=torch.float32), factors)
 
 
+class SmolLM3Family(LlamaFamily):
+    arch = gguf.MODEL_ARCH.SMOLLM3
+
+
+class GraniteFamily(LlamaFamily):
+    """Granite: llama with four multipliers; its head_dim is ignored, as llama.cpp does (heads are hidden / count)."""
+
+    arch = gguf.MODEL_ARCH.GRANITE
+    SCALES = (
+        ("attention_multiplier", "add_attention_scale"),
+        ("embedding_multiplier", "add_embedding_scale"),
+        ("residual_multiplier", "add_residual_scale"),
+        ("logits_scaling", "add_logit_scale"),
+    )
+
+    def __init__(self, folder: HFFolder):
+        super().__init__(folder)
+        self.config.pop("head_dim", None)
+
+    def add_parameters(self, writer: gguf.GGUFWriter) -> None:
+        super().add_parameters(writer)
+        for key, add in self.SCALES:
+            if value := self.config.get(key):
+                getattr(writer, add)(value)
+
+
+class GraniteMoeFamily(GraniteFamily):
+    """Granite MoE (and MoE Shared): JetMoE's fused gate+up experts split in two, a shared MLP likewise."""
+
+    arch = gguf.MODEL_ARCH.GRANITE_MOE
+
+    def add_parameters(self, writer: gguf.GGUFWriter) -> None:
+        super().add_parameters(writer)
+        if size := self.config.get("shared_intermediate_size"):
+            writer.add_expert_shared_feed_forward_length(size)
+
+    def tensors(self, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+        block = block_of(name)
+        if name.endswith("block_sparse_moe.input_linear.weight"):
+            gate, up = tensor.split(self.config["intermediate_size"], dim=-2)
+            yield gguf_tensor(gguf.MODEL_TENSOR.FFN_GATE_EXP, block), gate
+            yield gguf_tensor(gguf.MODEL_TENSOR.FFN_UP_EXP, block), up
+        elif name.endswith("shared_mlp.input_linear.weight"):
+            gate, up = tensor.split(self.config["shared_intermediate_size"], dim=-2)
+            shared = bool(self.config.get("num_local_experts"))
+            yield gguf_tensor(gguf.MODEL_TENSOR.FFN_GATE_SHEXP if shared else gguf.MODEL_TENSOR.FFN_GATE, block), gate
+            yield gguf_tensor(gguf.MODEL_TENSOR.FFN_UP_SHEXP if shared else gguf.MODEL_TENSOR.FFN_UP, block), up
+        elif name.endswith("shared_mlp.output_linear.weight") and not self.config.get("num_local_experts"):
+            yield gguf_tensor(gguf.MODEL_TENSOR.FFN_DOWN, block), tensor
+        else:
+            yield from super().tensors(name, tensor)
+
+    def regroups(self, name: str) -> bool:
+        return name.endswith(("block_sparse_moe.input_linear.weight", "shared_mlp.input_linear.weight", "shared_mlp.output_linear.weight"))
+
+
+def block_of(name: str) -> int | None:
+    """The layer a tensor belongs to: the first all-digit part of its name."""
+    return next((int(part) for part in name.split(".") if part.isdecimal()), None)
+
+
+def gguf_tensor(kind: gguf.MODEL_TENSOR, block: int | None, suffix: str = ".weight") -> str:
+    return gguf.TENSOR_NAMES[kind].format(bid=block) + suffix
+
+
+class Starcoder2Family(TextFamily):
+    arch = gguf.MODEL_ARCH.STARCODER2
+
+
+class CommandRFamily(TextFamily):
+    """Command R: the context of model_max_length where given (config.json's max_position_embeddings undersells it)."""
+
+    arch = gguf.MODEL_ARCH.COMMAND_R
+
+    def __init__(self, folder: HFFolder):
+        super().__init__(folder)
+        self.config["max_position_embeddings"] = first(self.config, "model_max_length", "max_position_embeddings")
+
+    def add_parameters(self, writer: gguf.GGUFWriter) -> None:
+        super().add_parameters(writer)
+        writer.add_logit_scale(self.config["logit_scale"])
+        writer.add_rope_scaling_type(gguf.RopeScalingType.NONE)
+
+
+class Cohere2Family(TextFamily):
+    """Command R7B: sliding window, partial rotary, and no biases (its all-zero ones are dropped)."""
+
+    arch = gguf.MODEL_ARCH.COHERE2
+
+    def add_parameters(self, writer: gguf.GGUFWriter) -> None:
+        super().add_parameters(writer)
+        config = self.config
+        writer.add_logit_scale(config["logit_scale"])
+        writer.add_sliding_window(config["sliding_window"])
+        writer.add_vocab_size(config["vocab_size"])
+        writer.add_rope_dimension_count(int(config["rotary_pct"] * (config["hidden_size"] // config["num_attention_heads"])))
+        writer.add_rope_scaling_type(gguf.RopeScalingType.NONE)
+
+    def tensors(self, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+        if name.endswith(".bias"):
+            if torch.any(tensor != 0):
+                raise ConvertError(f"{self.folder.path}: {name} is not zero; llama.cpp's cohere2 has no biases")
+            return
+        yield from super().tensors(name, tensor)
+
+    def regroups(self, name: str) -> bool:
+        return name.endswith(".bias")
+
+
 class Qwen2Family(TextFamily):
     arch = gguf.MODEL_ARCH.QWEN2
 
@@ -423,6 +532,13 @@ FAMILIES: dict[str, type[TextFamily]] = {
     "OlmoeForCausalLM": OlmoeFamily,
     "Olmo2ForCausalLM": Olmo2Family,
     "Olmo3ForCausalLM": Olmo2Family,
+    "SmolLM3ForCausalLM": SmolLM3Family,
+    "GraniteForCausalLM": GraniteFamily,
+    "GraniteMoeForCausalLM": GraniteMoeFamily,
+    "GraniteMoeSharedForCausalLM": GraniteMoeFamily,
+    "Starcoder2ForCausalLM": Starcoder2Family,
+    "CohereForCausalLM": CommandRFamily,
+    "Cohere2ForCausalLM": Cohere2Family,
     "Qwen2ForCausalLM": Qwen2Family,
     "Qwen2Model": Qwen2Family,
     "Qwen3ForCausalLM": Qwen3Family,
