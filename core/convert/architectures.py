@@ -479,6 +479,80 @@ class Gemma3Family(TextFamily):
         return None
 
 
+class Gemma2Family(TextFamily):
+    """Gemma 2: its own set of keys (soft caps, window), sentencepiece only, norms +1, no output matrix."""
+
+    arch = gguf.MODEL_ARCH.GEMMA2
+
+    def add_parameters(self, writer: gguf.GGUFWriter) -> None:
+        config = self.config
+        writer.add_context_length(config["max_position_embeddings"])
+        writer.add_embedding_length(config["hidden_size"])
+        writer.add_block_count(self.blocks)
+        writer.add_feed_forward_length(config["intermediate_size"])
+        writer.add_head_count(config["num_attention_heads"])
+        writer.add_head_count_kv(config.get("num_key_value_heads", config["num_attention_heads"]))
+        writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+        writer.add_key_length(config["head_dim"])
+        writer.add_value_length(config["head_dim"])
+        writer.add_attn_logit_softcapping(config["attn_logit_softcapping"])
+        writer.add_final_logit_softcapping(config["final_logit_softcapping"])
+        writer.add_sliding_window(config["sliding_window"])
+
+    def add_vocab(self, writer: gguf.GGUFWriter) -> None:
+        if not self.folder.has(TOKENIZER_MODEL):
+            raise ConvertError(f"{self.folder.path} has no {TOKENIZER_MODEL}: a Gemma 2 folder's tokenizer is read from it")
+        add_spm_vocab(writer, self.folder)
+        writer.add_add_space_prefix(False)
+
+    def skip(self, name: str) -> bool:
+        return super().skip(name) or name == "lm_head.weight"  # always tied; some exports carry a copy
+
+    def modify(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor + 1.0 if name.endswith("norm.weight") else tensor
+
+
+class StableLMFamily(TextFamily):
+    """StableLM (3B, 2): LayerNorms, partial rotary, the parallel block unless the config says otherwise."""
+
+    arch = gguf.MODEL_ARCH.STABLELM
+
+    def add_parameters(self, writer: gguf.GGUFWriter) -> None:
+        config = self.config
+        if config.get("qk_layernorm"):
+            raise ConvertError(f"{self.folder.path}: StableLM's per-head q/k LayerNorms (qk_layernorm) do not convert yet")
+        writer.add_context_length(config["max_position_embeddings"])
+        writer.add_embedding_length(config["hidden_size"])
+        writer.add_block_count(self.blocks)
+        writer.add_feed_forward_length(config["intermediate_size"])
+        writer.add_rope_dimension_count(int(self.rope["partial_rotary_factor"] * (config["hidden_size"] // config["num_attention_heads"])))
+        writer.add_head_count(config["num_attention_heads"])
+        writer.add_head_count_kv(config["num_key_value_heads"])
+        writer.add_parallel_residual(config.get("use_parallel_residual", True))
+        writer.add_layer_norm_eps(first(config, "layer_norm_eps", "norm_eps"))
+
+
+class Phi2Family(TextFamily):
+    """Phi-2: MHA, partial rotary, feed-forward 4 x hidden, no BOS."""
+
+    arch = gguf.MODEL_ARCH.PHI2
+
+    def add_parameters(self, writer: gguf.GGUFWriter) -> None:
+        hidden, heads = first(self.config, "hidden_size", "n_embd"), first(self.config, "num_attention_heads", "n_head")
+        writer.add_context_length(first(self.config, "n_positions", "max_position_embeddings"))
+        writer.add_embedding_length(hidden)
+        writer.add_feed_forward_length(4 * hidden)
+        writer.add_block_count(self.blocks)
+        writer.add_head_count(heads)
+        writer.add_head_count_kv(heads)
+        writer.add_layer_norm_eps(first(self.config, "layer_norm_epsilon", "layer_norm_eps"))
+        writer.add_rope_dimension_count(int(self.rope["partial_rotary_factor"] * hidden) // heads)
+
+    def add_vocab(self, writer: gguf.GGUFWriter) -> None:
+        super().add_vocab(writer)
+        writer.add_add_bos_token(False)
+
+
 class BertFamily(TextFamily):
     """BERT encoders (sentence-transformers' MiniLM, bge): not causal, token types, the pooling of modules.json."""
 
@@ -539,6 +613,10 @@ FAMILIES: dict[str, type[TextFamily]] = {
     "Starcoder2ForCausalLM": Starcoder2Family,
     "CohereForCausalLM": CommandRFamily,
     "Cohere2ForCausalLM": Cohere2Family,
+    "Gemma2ForCausalLM": Gemma2Family,
+    "StableLmForCausalLM": StableLMFamily,
+    "StableLMEpochForCausalLM": StableLMFamily,
+    "PhiForCausalLM": Phi2Family,
     "Qwen2ForCausalLM": Qwen2Family,
     "Qwen2Model": Qwen2Family,
     "Qwen3ForCausalLM": Qwen3Family,
