@@ -167,7 +167,10 @@ def add_spm_vocab(writer: gguf.GGUFWriter, folder: HFFolder) -> None:
     As llama.cpp's converter: ids up to the config's vocab_size, unused ones "[PAD<id>]"; added_tokens.json
     and tokenizer_config.json's added_tokens_decoder override pieces (control or user-defined, score -1000).
     """
-    tokens, scores, types = spm_token_list(folder)
+    write_spm_tokens(writer, folder, *spm_token_list(folder))
+
+
+def write_spm_tokens(writer: gguf.GGUFWriter, folder: HFFolder, tokens: list[bytes], scores: list[float], types: list[int]) -> None:
     writer.add_tokenizer_model("llama")
     writer.add_tokenizer_pre("default")
     writer.add_token_list(tokens)
@@ -177,6 +180,24 @@ def add_spm_vocab(writer: gguf.GGUFWriter, folder: HFFolder) -> None:
 
 
 def spm_token_list(folder: HFFolder) -> tuple[list[bytes], list[float], list[int]]:
+    """tokenizer.model's pieces, then tokenizer_config.json's added tokens (control when special or looking so)."""
+    tokens, scores, types = spm_pieces(folder)
+    decoder = (folder.json("tokenizer_config.json") or {}).get("added_tokens_decoder", {})
+    for key, added in decoder.items():
+        i, text = int(key), added["content"]
+        if i >= len(tokens):
+            continue
+        if added.get("special") or looks_special(text):
+            types[i] = gguf.TokenType.CONTROL
+        else:
+            text = text.replace(SPM_SPACE, " ")
+            types[i] = gguf.TokenType.USER_DEFINED
+        tokens[i], scores[i] = text.encode(), -1000.0
+    return tokens, scores, types
+
+
+def spm_pieces(folder: HFFolder) -> tuple[list[bytes], list[float], list[int]]:
+    """tokenizer.model's pieces for every id below the config's vocab_size, with added_tokens.json over them."""
     from sentencepiece import SentencePieceProcessor
 
     processor = SentencePieceProcessor()
@@ -196,17 +217,6 @@ def spm_token_list(folder: HFFolder) -> tuple[list[bytes], list[float], list[int
     for text, i in (folder.json("added_tokens.json") or {}).items():
         if i < size:
             tokens[i], scores[i], types[i] = text.encode(), -1000.0, gguf.TokenType.USER_DEFINED
-    decoder = (folder.json("tokenizer_config.json") or {}).get("added_tokens_decoder", {})
-    for key, added in decoder.items():
-        i, text = int(key), added["content"]
-        if i >= size:
-            continue
-        if added.get("special") or looks_special(text):
-            types[i] = gguf.TokenType.CONTROL
-        else:
-            text = text.replace(SPM_SPACE, " ")
-            types[i] = gguf.TokenType.USER_DEFINED
-        tokens[i], scores[i] = text.encode(), -1000.0
     return tokens, scores, types
 
 
