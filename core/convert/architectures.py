@@ -361,7 +361,7 @@ class Cohere2Family(TextFamily):
     def tensors(self, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
         if name.endswith(".bias"):
             if torch.any(tensor != 0):
-                raise ConvertError(f"{self.folder.path}: {name} is not zero; llama.cpp's cohere2 has no biases")
+                raise ConvertError(f"{self.folder.path}: {name} is not zero; llama.cpp's Command R7B has no biases")
             return
         yield from super().tensors(name, tensor)
 

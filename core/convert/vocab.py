@@ -113,7 +113,7 @@ def add_json_vocab(writer: gguf.GGUFWriter, folder: HFFolder) -> None:
         tokens = [_phantom_space(token, kind) for token, kind in zip(tokens, types)]
         writer.add_tokenizer_model("bert")
     elif kind == "BPE":
-        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_model(gguf.BpeVocab.tokenizer_model)
     else:
         raise ConvertError(f"{TOKENIZER_JSON} in {folder.path} is a {kind} tokenizer; corral converts BPE and WordPiece ones")
     writer.add_tokenizer_pre(pre_tokenizer_name(folder))
@@ -171,7 +171,7 @@ def add_spm_vocab(writer: gguf.GGUFWriter, folder: HFFolder) -> None:
 
 
 def write_spm_tokens(writer: gguf.GGUFWriter, folder: HFFolder, tokens: list[bytes], scores: list[float], types: list[int]) -> None:
-    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_model(gguf.SentencePieceVocab.tokenizer_model)
     writer.add_tokenizer_pre("default")
     writer.add_token_list(tokens)
     writer.add_token_scores(scores)
