@@ -2,10 +2,14 @@
 
 The folder is what a Hugging Face checkpoint of the model would hold: config.json written from the
 GGUF's metadata and every tensor dequantized to float32 under transformers' names, with llama's q/k rows
-back in rotate-halves order and Gemma's norms without their +1. The tokenizer is not rebuilt as a
-tokenizer.json: the conversion reuses the GGUF's own tokenizer keys (convert_folder's `vocab`), so the
-round trip proves the weights and the architecture's metadata, while the tokenizer conversion is proven
-on the folders of test_convert.py.
+back in rotate-halves order and Gemma's norms without their +1.
+
+SmolLM2's byte-level BPE tokenizer is rebuilt as a tokenizer.json (vocabulary, merges, its digit-splitting
+pre-tokenizer, the control tokens) with a tokenizer_config.json holding the chat template, so its folder
+goes through `create` exactly as a downloaded one would (FROM ./dir) and every key, tokenizer included,
+comes back equal. Gemma 3's sentencepiece tokenizer.model is not rebuilt (that would mean writing
+sentencepiece's protobuf): its conversion reuses the GGUF's own tokenizer keys (convert_folder's
+`vocab`), proving the weights and the architecture's keys; test_convert.py proves sentencepiece folders.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from corral.convert import convert_folder
 from corral.engine import load_model
 from corral.gguf import GGUFFile
 from corral.modelfile import ModelSpec, create_model
+from corral.modelfile.syntax import Modelfile
 from corral.plugins.backends.torch.dequantize import dequantize
 from corral.store import Store
 
@@ -97,6 +102,26 @@ def dequantized_folder(path: pathlib.Path, folder: pathlib.Path) -> tuple[pathli
     return folder, fields
 
 
+def write_bpe_tokenizer(fields: dict, folder: pathlib.Path) -> None:
+    """tokenizer.json and tokenizer_config.json of a GGUF's byte-level BPE vocabulary (SmolLM2's: digits split one by one)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    tokens, types = fields["tokenizer.ggml.tokens"], fields["tokenizer.ggml.token_type"]
+    merges = [tuple(merge.split(" ", 1)) for merge in fields["tokenizer.ggml.merges"]]
+    tokenizer = Tokenizer(models.BPE({token: i for i, token in enumerate(tokens)}, merges))
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+    control = [tokens[i] for i, kind in enumerate(types) if kind == gguf.TokenType.CONTROL]
+    tokenizer.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in control])
+    tokenizer.save(str(folder / "tokenizer.json"))
+    named = {role: tokens[fields[f"tokenizer.ggml.{key}_token_id"]] for role, key in
+             (("bos_token", "bos"), ("eos_token", "eos"), ("unk_token", "unknown"), ("pad_token", "padding"))}
+    config = {"add_prefix_space": False, "chat_template": fields["tokenizer.chat_template"], **named}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+
+
 def tokenizer_keys_of(fields: dict):
     """A `vocab` writer for convert_folder: the original GGUF's tokenizer.* keys, in the types llama.cpp writes."""
 
@@ -130,8 +155,12 @@ def test_real_model_round_trips_through_a_safetensors_folder(which, request, tmp
     original = request.getfixturevalue(f"{which}_path")
     folder, fields = dequantized_folder(original, tmp_path / which)
     store = Store(tmp_path / "models")
-    converted = convert_folder(folder, tmp_path / "converted.gguf", vocab=tokenizer_keys_of(fields))
-    manifest = create_model(store, f"{which}-round-trip", ModelSpec(gguf_path=converted))
+    if fields["tokenizer.ggml.model"] == "gpt2":
+        write_bpe_tokenizer(fields, folder)
+        spec = ModelSpec.from_modelfile(Modelfile.parse(f"FROM ./{which}\n"), tmp_path)
+    else:
+        spec = ModelSpec(gguf_path=convert_folder(folder, tmp_path / "converted.gguf", vocab=tokenizer_keys_of(fields)))
+    manifest = create_model(store, f"{which}-round-trip", spec)
     assert metadata(store.blob_path(manifest.model.digest)) == metadata(original)
     expected = load_once(original, "fp32").logits(IDS)
     got = load_model(store.blob_path(manifest.model.digest), precision="fp32").logits(IDS)
