@@ -479,6 +479,43 @@ class Gemma3Family(TextFamily):
         return None
 
 
+class GemmaFamily(TextFamily):
+    """Gemma (1): its own keys, sentencepiece only, norms +1, no output matrix; CodeGemma's fill-in-the-middle
+    and end-of-turn ids as llama.cpp writes them for every Gemma (where gguf has keys for them)."""
+
+    arch = gguf.MODEL_ARCH.GEMMA
+    CODE_GEMMA_IDS = {"prefix": 67, "suffix": 69, "middle": 68, "fsep": 70, "eot": 107}
+
+    def add_parameters(self, writer: gguf.GGUFWriter) -> None:
+        config = self.config
+        writer.add_context_length(config["max_position_embeddings"])
+        writer.add_embedding_length(config["hidden_size"])
+        writer.add_block_count(self.blocks)
+        writer.add_feed_forward_length(config["intermediate_size"])
+        writer.add_head_count(config["num_attention_heads"])
+        writer.add_head_count_kv(config.get("num_key_value_heads", config["num_attention_heads"]))
+        writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+        writer.add_key_length(config["head_dim"])
+        writer.add_value_length(config["head_dim"])
+
+    def add_vocab(self, writer: gguf.GGUFWriter) -> None:
+        if not self.folder.has(TOKENIZER_MODEL):
+            raise ConvertError(f"{self.folder.path} has no {TOKENIZER_MODEL}: a Gemma folder's tokenizer is read from it")
+        add_spm_vocab(writer, self.folder)
+        special = gguf.SpecialVocab(self.folder.path, load_merges=False, special_token_types=tuple(self.CODE_GEMMA_IDS))
+        for kind, token in self.CODE_GEMMA_IDS.items():
+            special.special_token_ids.setdefault(kind, token)  # the folder's own ids win
+        special.chat_template = None  # written once, by add_spm_vocab
+        special.add_to_gguf(writer, quiet=True)
+        writer.add_add_space_prefix(False)
+
+    def skip(self, name: str) -> bool:
+        return super().skip(name) or name == "lm_head.weight"  # always tied; some exports carry a copy
+
+    def modify(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor + 1.0 if name.endswith("norm.weight") else tensor
+
+
 class Gemma2Family(TextFamily):
     """Gemma 2: its own set of keys (soft caps, window), sentencepiece only, norms +1, no output matrix."""
 
@@ -675,6 +712,7 @@ FAMILIES: dict[str, type[TextFamily]] = {
     "Starcoder2ForCausalLM": Starcoder2Family,
     "CohereForCausalLM": CommandRFamily,
     "Cohere2ForCausalLM": Cohere2Family,
+    "GemmaForCausalLM": GemmaFamily,
     "Gemma2ForCausalLM": Gemma2Family,
     "StableLmForCausalLM": StableLMFamily,
     "StableLMEpochForCausalLM": StableLMFamily,
