@@ -91,6 +91,16 @@ class TextFamily:
         ):
             if (value := self.hparam(name, *keys)) is not None:
                 add(value)
+        if (groups := self.config.get("n_group")) is not None:
+            writer.add_expert_group_count(groups)
+        if (groups_used := self.config.get("topk_group")) is not None:
+            writer.add_expert_group_used_count(groups_used)
+        scoring = first(self.config, "score_function", "scoring_func", "score_func", "moe_router_activation", "moe_router_activation_func", "expert_selection_fn")
+        if scoring is not None:
+            gating = {"sigmoid": gguf.ExpertGatingFuncType.SIGMOID, "softmax": gguf.ExpertGatingFuncType.SOFTMAX}
+            if scoring not in gating:
+                raise ConvertError(f"{self.folder.path}: expert scoring {scoring!r} does not convert (sigmoid or softmax)")
+            writer.add_expert_gating_func(gating[scoring])
         if (head_dim := self.hparam("head_dim", "head_dim")) is not None:
             writer.add_key_length(head_dim)
             writer.add_value_length(head_dim)
@@ -516,37 +526,22 @@ class GemmaFamily(TextFamily):
         return tensor + 1.0 if name.endswith("norm.weight") else tensor
 
 
-class Gemma2Family(TextFamily):
-    """Gemma 2: its own set of keys (soft caps, window), sentencepiece only, norms +1, no output matrix."""
+class Gemma2Family(GemmaFamily):
+    """Gemma 2: Gemma's keys and the soft caps and window; no CodeGemma ids."""
 
     arch = gguf.MODEL_ARCH.GEMMA2
 
     def add_parameters(self, writer: gguf.GGUFWriter) -> None:
-        config = self.config
-        writer.add_context_length(config["max_position_embeddings"])
-        writer.add_embedding_length(config["hidden_size"])
-        writer.add_block_count(self.blocks)
-        writer.add_feed_forward_length(config["intermediate_size"])
-        writer.add_head_count(config["num_attention_heads"])
-        writer.add_head_count_kv(config.get("num_key_value_heads", config["num_attention_heads"]))
-        writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-        writer.add_key_length(config["head_dim"])
-        writer.add_value_length(config["head_dim"])
-        writer.add_attn_logit_softcapping(config["attn_logit_softcapping"])
-        writer.add_final_logit_softcapping(config["final_logit_softcapping"])
-        writer.add_sliding_window(config["sliding_window"])
+        super().add_parameters(writer)
+        writer.add_attn_logit_softcapping(self.config["attn_logit_softcapping"])
+        writer.add_final_logit_softcapping(self.config["final_logit_softcapping"])
+        writer.add_sliding_window(self.config["sliding_window"])
 
     def add_vocab(self, writer: gguf.GGUFWriter) -> None:
         if not self.folder.has(TOKENIZER_MODEL):
             raise ConvertError(f"{self.folder.path} has no {TOKENIZER_MODEL}: a Gemma 2 folder's tokenizer is read from it")
         add_spm_vocab(writer, self.folder)
         writer.add_add_space_prefix(False)
-
-    def skip(self, name: str) -> bool:
-        return super().skip(name) or name == "lm_head.weight"  # always tied; some exports carry a copy
-
-    def modify(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor + 1.0 if name.endswith("norm.weight") else tensor
 
 
 class StableLMFamily(TextFamily):

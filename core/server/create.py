@@ -95,7 +95,8 @@ def _gguf_digest(files: dict) -> str:
     if len(ggufs) != 1 or others:
         raise CreateModelError(
             f"corral creates a model from one GGUF file; got {', '.join(sorted(files))}"
-            " (safetensors conversion, split GGUFs and projector files are not supported)"
+            " (uploaded safetensors are not converted: name their folder in a Modelfile, FROM ./dir;"
+            " split GGUFs and projector files are not supported)"
         )
     return parse_digest(files[ggufs[0]])
 
