@@ -725,7 +725,7 @@ class GptOssFamily(TextFamily):
 
     def tensors(self, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
         if name.endswith(("_blocks", "_scales")):
-            raise ConvertError(f"{self.folder.path}: {name} is MXFP4; corral converts gpt-oss folders of float weights only")
+            raise ConvertError(f"{self.folder.path}: {name} is MXFP4; corral converts such folders of float weights only")
         if "down_proj" in name:
             if name.endswith("_bias"):
                 yield name.replace("down_proj_bias", "down_proj.bias"), tensor
