@@ -291,3 +291,23 @@ async def test_api_create_from_a_folder_that_is_no_model_is_400(tiny_server, tmp
         response = await http.post("/api/create", json={"model": "x", "modelfile": f"FROM {tmp_path / 'notes'}\n", "stream": False})
     assert response.status_code == 400
     assert "config.json" in response.json()["error"]
+
+
+async def test_corral_create_from_a_folder_next_to_the_modelfile(tiny_server, tiny_folder, tmp_path, monkeypatch):
+    import functools
+
+    import httpx
+    import trio
+    from click.testing import CliRunner
+
+    from corral.cli import main
+
+    (tiny_folder.parent / "Modelfile").write_text(f"FROM ./{tiny_folder.name}\nSYSTEM Be brief.\n")
+    monkeypatch.setenv("CORRAL_HOST", tiny_server.removeprefix("http://"))
+    monkeypatch.chdir("/")  # the folder is found next to the Modelfile, not in the working directory
+    invoke = functools.partial(CliRunner().invoke, main, ["create", "folder-cli", "-f", str(tiny_folder.parent / "Modelfile")])
+    result = await trio.to_thread.run_sync(invoke)
+    assert result.exit_code == 0, result.output
+    async with httpx.AsyncClient(base_url=tiny_server, timeout=60) as http:
+        shown = (await http.post("/api/show", json={"model": "folder-cli"})).json()
+    assert shown["model_info"]["general.architecture"] == "qwen3" and shown["system"] == "Be brief."
