@@ -226,6 +226,11 @@ class LlamaFamily(TextFamily):
         writer.add_rope_dimension_count(self.head_dim())
 
     def add_vocab(self, writer: gguf.GGUFWriter) -> None:
+        model = (self.folder.json("tokenizer.json") or {}).get("model") or {}
+        if not self.folder.has(TOKENIZER_MODEL) and model.get("type") == "BPE" and model.get("byte_fallback"):
+            raise ConvertError(
+                f"{self.folder.path}: a sentencepiece-style tokenizer.json without its tokenizer.model does not convert yet"
+            )
         if (prefix := (self.folder.json("tokenizer_config.json") or {}).get("add_prefix_space")) is not None:
             writer.add_add_space_prefix(prefix)
         self.add_vocab_preferring_spm(writer)
