@@ -18,7 +18,8 @@ import gguf
 import numpy as np
 import torch
 
-from corral.convert.architectures import TextFamily, family_of
+from corral.convert.architectures import family_of
+from corral.convert.family import TextFamily
 from corral.convert.folder import ConvertError, HFFolder
 from corral.convert.vocab import TOKENIZER_MODEL, load_tokenizer
 
