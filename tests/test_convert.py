@@ -311,3 +311,15 @@ async def test_corral_create_from_a_folder_next_to_the_modelfile(tiny_server, ti
     async with httpx.AsyncClient(base_url=tiny_server, timeout=60) as http:
         shown = (await http.post("/api/show", json={"model": "folder-cli"})).json()
     assert shown["model_info"]["general.architecture"] == "qwen3" and shown["system"] == "Be brief."
+
+
+def test_llama_folder_with_only_a_sentencepiece_style_tokenizer_json_is_refused(tmp_path):
+    import convert_driver
+
+    folder = tmp_path / "llama"
+    convert_driver.build(SPECS_BY_NAME["llama-mha-tied"], folder)
+    spec = json.loads((folder / "tokenizer.json").read_text())
+    spec["model"]["byte_fallback"] = True  # as Llama 2's tokenizer.json says, its tokenizer.model left behind
+    (folder / "tokenizer.json").write_text(json.dumps(spec))
+    with pytest.raises(ConvertError, match="sentencepiece-style tokenizer.json without its tokenizer.model"):
+        convert_folder(folder, tmp_path / "model.gguf")
