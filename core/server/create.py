@@ -107,7 +107,7 @@ def _spec_from_body(body: dict) -> tuple[ModelSpec, list[dict]]:
     if from_model and files:
         raise ApiError(400, "give either `from` (a model name) or `files` (uploaded GGUF blobs), not both")
     if from_model or files:
-        fields.update(from_model=from_model, gguf_blob=_gguf_digest(files) if files else None, gguf_path=None)
+        fields.update(from_model=from_model, gguf_blob=_gguf_digest(files) if files else None, gguf_path=None, hf_folder=None)
     elif not fields:
         raise ApiError(400, "give `from` (a model name) or `files` (an uploaded GGUF: {name: digest})")
     for key in ("template", "system"):
@@ -134,7 +134,8 @@ def _gguf_digest(files: dict) -> str:
     if len(ggufs) != 1 or others:
         raise CreateModelError(
             f"corral creates a model from one GGUF file; got {', '.join(sorted(files))}"
-            " (safetensors conversion, split GGUFs and projector files are not supported)"
+            " (uploaded safetensors are not converted: name their folder in a Modelfile, FROM ./dir;"
+            " split GGUFs and projector files are not supported)"
         )
     return parse_digest(files[ggufs[0]])
 
