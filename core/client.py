@@ -243,8 +243,19 @@ def _error(response: httpx.Response) -> ServerError:
     return ServerError(response.status_code, message)
 
 
+def _upload_converted(folder: pathlib.Path, upload: Callable[[pathlib.Path], str]) -> str:
+    """A safetensors folder converted to GGUF here, as Ollama's CLI reads a folder's files itself, and uploaded."""
+    import tempfile
+
+    from corral.convert import convert_folder
+
+    with tempfile.TemporaryDirectory(prefix="corral-convert-") as scratch:
+        return upload(convert_folder(folder, pathlib.Path(scratch) / "model.gguf"))
+
+
 def modelfile_fields(path: str | os.PathLike, upload: Callable[[pathlib.Path], str]) -> dict[str, Any]:
-    """A create request's JSON fields from a Modelfile on disk (FROM a .gguf: `upload` returns its digest).
+    """A create request's JSON fields from a Modelfile on disk (FROM a .gguf or a converted safetensors folder:
+    `upload` returns its digest).
 
     A GGUF is uploaded as a blob and named in `files`, as Ollama's own CLI does, rather than sent as a
     path in the legacy `modelfile` field: this works with a server on another machine or with another
@@ -263,6 +274,8 @@ def modelfile_fields(path: str | os.PathLike, upload: Callable[[pathlib.Path], s
     fields: dict[str, Any] = {"template": modelfile.template, "system": modelfile.system}
     if spec.gguf_path is not None:
         fields["files"] = {spec.gguf_path.name: upload(spec.gguf_path)}
+    elif spec.hf_folder is not None:
+        fields["files"] = {"model.gguf": _upload_converted(spec.hf_folder, upload)}
     else:
         fields["from"] = spec.from_model
     if modelfile.parameters:

@@ -109,6 +109,17 @@ def test_bytes_that_do_not_match_their_digest_never_enter_the_store(fake, store)
     assert not [path for path in after if sha256(GGUF)[7:] in path]
 
 
+def test_a_template_that_does_not_compile_is_refused_and_nothing_enters_the_store(fake, store):
+    broken = b"{{ if .System }}never closed"
+    fake.blobs[sha256(broken)] = broken
+    name = publish(fake, [layer(MODEL_MEDIA_TYPE, GGUF), layer(TEMPLATE_MEDIA_TYPE, broken)])
+    before = snapshot(store)
+    with pytest.raises(UntrustedContentError, match="template cannot be used"):
+        store.pull(name, insecure=True)
+    after = snapshot(store)
+    assert {path: data for path, data in after.items() if "-partial" not in path} == before
+
+
 def test_a_blob_longer_than_declared_is_cut_off_and_rejected(fake, store):
     fake.ignore_range = True  # the whole (too long) body comes back
     fake.blobs[sha256(GGUF)] = GGUF + b"more than the manifest says"

@@ -176,7 +176,7 @@ async def test_create_from_an_upload_that_is_not_gguf_is_400_with_the_reason(htt
     [
         ({"model": "../x", "from": "smollm2"}, "invalid model name"),
         ({"model": "x"}, "give `from`"),
-        ({"model": "x", "from": "smollm2", "quantize": "q4_K_M"}, "quantize is not supported"),
+        ({"model": "x", "from": "smollm2", "quantize": "q4_K_M"}, "quantization is only supported for F32, F16 and BF16 models"),
         ({"model": "x", "from": "smollm2", "adapters": {"a.gguf": "sha256:" + "0" * 64}}, "adapters are not supported"),
         ({"model": "x", "from": "smollm2", "parameters": {"temp": 1}}, "unknown parameter 'temp'"),
         ({"model": "x", "from": "smollm2", "parameters": {"top_p": 5}}, "'top_p' must be"),

@@ -20,7 +20,7 @@ from corral.distribution.download import MAX_PARTS, MIN_PART_SIZE, BlobDownload,
 from corral.distribution.errors import NotEnoughSpaceError, UntrustedContentError
 from corral.distribution.oci import DOCKER_MANIFEST, OCI_MANIFEST, Registry, RegistryStatusError
 from corral.errors import InvalidModelNameError, ModelNotFoundError
-from corral.store import OLLAMA_LAYER_MEDIA_TYPES, CorruptManifestError, Layer, Manifest, ModelName, Store
+from corral.store import OLLAMA_LAYER_MEDIA_TYPES, TEMPLATE_MEDIA_TYPE, CorruptManifestError, Layer, Manifest, ModelName, Store
 
 Progress = Callable[[dict], None]
 
@@ -59,6 +59,7 @@ def pull_model(
         report({"status": "verifying sha256 digest"})
         for download in downloads.values():
             download.verify()
+        _check_templates(store, blobs, downloads)
         for download in downloads.values():
             download.commit()
         report({"status": "writing manifest"})
@@ -68,6 +69,21 @@ def pull_model(
             store.prune(replaced.blobs - stored.blobs)  # as Ollama does: an updated model drops the layers only it used
     report({"status": "success"})
     return stored
+
+
+def _check_templates(store: Store, blobs: list[Layer], downloads: dict[str, BlobDownload]) -> None:
+    """A template layer must compile (Go or Jinja), as `create` requires: refused before anything enters the store."""
+    from corral.template import TemplateError, compile_template
+
+    for layer in blobs:
+        if layer.media_type != TEMPLATE_MEDIA_TYPE:
+            continue
+        download = downloads.get(layer.digest)
+        path = download.path if download is not None else store.blob_path(layer.digest)
+        try:
+            compile_template(path.read_bytes().decode("utf-8"))
+        except (TemplateError, UnicodeDecodeError) as error:
+            raise UntrustedContentError(f"the model's template cannot be used: {error}") from error
 
 
 def _fetch_manifest(registry: Registry, repository: str, name: ModelName) -> bytes:

@@ -12,18 +12,21 @@ import hashlib
 import json
 import logging
 import os
+import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 import attrs
 
+from corral.convert import ConvertError, check_folder, convert_folder
 from corral.errors import CorralError, GGUFError, ModelNotFoundError
 from corral.gguf import GGUFFile
 from corral.modelfile.defaults import stored_parameters
 from corral.modelfile.syntax import IGNORED_PARAMETERS, Message, Modelfile, ModelfileError
 from corral.options import STANDARD_OPTIONS, InvalidOptionError, parse_options
-from corral.template import TemplateError, compile_template
+from corral.quantize import check_quantizable, quantize_to_blob
+from corral.quantize.presets import preset
 from corral.store import (
     LICENSE_MEDIA_TYPE,
     MESSAGES_MEDIA_TYPE,
@@ -38,6 +41,7 @@ from corral.store import (
     parse_digest,
     parse_name,
 )
+from corral.template import TemplateError, compile_template
 
 log = logging.getLogger(__name__)
 
@@ -48,28 +52,34 @@ class CreateModelError(CorralError):
 
 @attrs.frozen
 class ModelSpec:
-    """What `create_model` builds: one base (a model in the store, an uploaded GGUF blob or a GGUF file on
-    this machine) and the layers that replace the base's; None keeps the base's layer, "" removes it."""
+    """What `create_model` builds: one base (a model in the store, an uploaded GGUF blob, a GGUF file or a
+    Hugging Face safetensors folder on this machine) and the layers that replace the base's; None keeps
+    the base's layer, "" removes it."""
 
     from_model: str | None = None
     gguf_blob: str | None = None
     gguf_path: Path | None = attrs.field(default=None, converter=attrs.converters.optional(Path))
+    hf_folder: Path | None = attrs.field(default=None, converter=attrs.converters.optional(Path))  # converted to GGUF
     template: str | None = None
     system: str | None = None
     parameters: dict[str, Any] | None = None  # JSON-ready, as `validate_parameters` returns them
     messages: tuple[Message, ...] = ()  # empty: keep the base's
     license: tuple[str, ...] = ()  # added to the base's
+    quantize: str | None = None  # a preset name (q4_K_M, q8_0, ...): the base's weights quantized to it
 
     def __attrs_post_init__(self) -> None:
-        given = [v for v in (self.from_model, self.gguf_blob, self.gguf_path) if v is not None]
+        given = [v for v in (self.from_model, self.gguf_blob, self.gguf_path, self.hf_folder) if v is not None]
         if len(given) != 1:
             raise CreateModelError("give exactly one base: `from` (a model name) or `files` (an uploaded GGUF)")
 
     @classmethod
     def from_modelfile(cls, modelfile: Modelfile, directory: str | os.PathLike | None = None) -> ModelSpec:
-        """What to create: FROM is a GGUF file (relative to `directory`) when it names one, else a model."""
+        """What to create: FROM is a GGUF file or a safetensors folder (relative to `directory`) when it names one, else a model."""
         source = _resolve_from(modelfile.from_, directory)
-        base = {"gguf_path": source} if isinstance(source, Path) else {"from_model": source}
+        if isinstance(source, Path):
+            base = {"hf_folder": source} if source.is_dir() else {"gguf_path": source}
+        else:
+            base = {"from_model": source}
         return cls(
             **base,
             template=modelfile.template,
@@ -81,7 +91,7 @@ class ModelSpec:
 
 
 def _resolve_from(value: str, directory: str | os.PathLike | None) -> str | Path:
-    """A FROM argument as a GGUF path (absolute) or a model name."""
+    """A FROM argument as a GGUF file or model folder (absolute) or a model name."""
     looks_like_path = value.startswith(("/", "./", "../", "~")) or value.lower().endswith(".gguf")
     path = Path(value).expanduser()
     if not path.is_absolute():
@@ -92,9 +102,7 @@ def _resolve_from(value: str, directory: str | os.PathLike | None) -> str | Path
                 )
             return value
         path = Path(directory) / path
-    if path.is_dir():
-        raise ModelfileError(f"FROM {value}: {path} is a directory; corral creates models from one GGUF file")
-    if path.is_file():
+    if path.is_dir() or path.is_file():
         return path.resolve()
     if looks_like_path:
         raise ModelfileError(f"FROM {value}: no such file {path}")
@@ -115,14 +123,24 @@ def check_spec(store: Store, spec: ModelSpec) -> tuple[Layer, ...]:
             raise ModelNotFoundError(f"model '{base}' not found; pull or create it first")
         if not store.has_blob(manifest.model.digest):
             raise ModelNotFoundError(f"model '{base}' is missing its GGUF blob; pull it again")
+        _check_quantize(store.blob_path(manifest.model.digest), spec.quantize)
         return manifest.layers
     if spec.gguf_blob is not None:
         digest = parse_digest(spec.gguf_blob)
         if not store.has_blob(digest):
             raise CreateModelError(f"blob {digest} is not in the store; upload it with POST /api/blobs/{digest}")
         _check_gguf(store.blob_path(digest), f"the uploaded file {digest}")
+        _check_quantize(store.blob_path(digest), spec.quantize)
+    elif spec.hf_folder is not None:
+        try:
+            check_folder(spec.hf_folder)
+        except ConvertError as error:
+            raise CreateModelError(str(error)) from None
+        if spec.quantize is not None:
+            preset(spec.quantize)  # the name now; the converted file is checked once it exists
     else:
         _check_gguf(spec.gguf_path, str(spec.gguf_path))
+        _check_quantize(spec.gguf_path, spec.quantize)
     return ()
 
 
@@ -132,6 +150,11 @@ def _check_template(source: str) -> None:
         compile_template(source)
     except TemplateError as error:
         raise CreateModelError(f"TEMPLATE: {error}") from None
+
+
+def _check_quantize(path: Path, quantize: str | None) -> None:
+    if quantize is not None:
+        check_quantizable(path, quantize)
 
 
 def _check_gguf(path: Path, what: str) -> None:
@@ -157,17 +180,25 @@ def create_model(store: Store, name: str | ModelName, spec: ModelSpec, progress:
     report = progress or (lambda event: None)
     model_name = parse_name(name)
     base_layers = check_spec(store, spec)
-    if spec.from_model is None:
+    if spec.hf_folder is not None:
+        report({"status": "converting model"})
+    elif spec.from_model is None:
         report({"status": "parsing GGUF"})
     layers = [(layer.media_type, layer.digest) for layer in base_layers]
     created: set[str] = set()
-    if spec.gguf_blob is not None:
+    if spec.hf_folder is not None:
+        with tempfile.TemporaryDirectory(prefix="corral-convert-") as scratch:
+            converted = _converted(spec.hf_folder, Path(scratch))
+            if spec.quantize is not None:  # quantized from the scratch file: no float copy enters the store
+                _quantize_base(store, attrs.evolve(spec, hf_folder=None, gguf_path=converted), layers, created, report)
+            else:
+                layers.append((MODEL_MEDIA_TYPE, _stored_file(store, converted, created)))
+    elif spec.quantize is not None:
+        _quantize_base(store, spec, layers, created, report)
+    elif spec.gguf_blob is not None:
         layers.append((MODEL_MEDIA_TYPE, spec.gguf_blob))
     elif spec.gguf_path is not None:
-        digest = _file_digest(spec.gguf_path)
-        if not store.has_blob(digest):
-            created.add(store.write_blob(spec.gguf_path, digest))
-        layers.append((MODEL_MEDIA_TYPE, digest))
+        layers.append((MODEL_MEDIA_TYPE, _stored_file(store, spec.gguf_path, created)))
     new: dict[str, bytes] = {}  # digest -> content of the layers this create adds
 
     def replace(media_type: str, content: bytes | None) -> None:
@@ -204,6 +235,38 @@ def create_model(store: Store, name: str | ModelName, spec: ModelSpec, progress:
         store.prune(replaced.blobs - manifest.blobs)
     report({"status": "success"})
     return manifest
+
+
+def _quantize_base(store: Store, spec: ModelSpec, layers: list[tuple[str, str]], created: set[str], report: Progress) -> None:
+    """Quantize the base's GGUF into a new blob, which takes the place of the base's model layer."""
+    base = next((digest for media_type, digest in layers if media_type == MODEL_MEDIA_TYPE), None)
+    if base is not None:
+        source = store.blob_path(base)
+    else:
+        source = store.blob_path(spec.gguf_blob) if spec.gguf_blob is not None else spec.gguf_path
+    digest, new = quantize_to_blob(store, source, check_quantizable(source, spec.quantize), report)
+    if new:
+        created.add(digest)
+    if base is None:
+        layers.append((MODEL_MEDIA_TYPE, digest))
+    else:
+        layers[:] = [(media_type, digest if media_type == MODEL_MEDIA_TYPE else d) for media_type, d in layers]
+
+
+def _converted(folder: Path, scratch: Path) -> Path:
+    """A safetensors folder converted to a GGUF file in `scratch` (so a failure leaves the store as it was)."""
+    try:
+        return convert_folder(folder, scratch / "model.gguf")
+    except ConvertError as error:
+        raise CreateModelError(str(error)) from None
+
+
+def _stored_file(store: Store, path: Path, created: set[str]) -> str:
+    """The digest of a GGUF file, written into the store unless it is there already."""
+    digest = _file_digest(path)
+    if not store.has_blob(digest):
+        created.add(store.write_blob(path, digest))
+    return digest
 
 
 def _digest(content: bytes) -> str:

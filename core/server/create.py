@@ -2,13 +2,16 @@
 
 A client uploads a GGUF with `POST /api/blobs/sha256:<hex>`, then creates a model from it with
 `POST /api/create {"model", "files": {"model.gguf": "sha256:<hex>"}}`; or it derives a model from one in
-the store with `{"model", "from", "system", "parameters", ...}`. Everything a create request names is
-checked before anything is written. Once the GGUF is uploaded, creating writes only a few small blobs,
-so the progress objects are sent when it is done and every error gets its own status code.
+the store with `{"model", "from", "system", "parameters", ...}`; `quantize` (q4_K_M, q8_0, ...) quantizes
+the base's weights. Everything a create request names is checked before anything is written. Once the
+GGUF is uploaded, creating writes only a few small blobs, so the progress objects are sent when it is
+done and every error gets its own status code; quantizing takes seconds, so its progress is streamed
+live once the same checks have passed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from pathlib import Path
 from typing import Any, AsyncIterator
@@ -17,11 +20,12 @@ import attrs
 import quart
 import trio
 
-from corral.modelfile.create import CreateModelError, ModelSpec, create_model, parse_messages, validate_parameters
+from corral.modelfile.create import CreateModelError, ModelSpec, check_spec, create_model, parse_messages, validate_parameters
 from corral.modelfile.syntax import Modelfile
+from corral.quantize import preset
 from corral.server.http import ApiError, field, ndjson_response, read_json
 from corral.server.state import state
-from corral.store import parse_digest, parse_name
+from corral.store import Store, parse_digest, parse_name
 
 bp = quart.Blueprint("create", __name__)
 
@@ -37,6 +41,12 @@ async def create():
     parse_name(name)
     store = state().store
     spec, events = await trio.to_thread.run_sync(_spec_from_body, body)
+    if spec.quantize is not None and stream:
+        # Quantizing takes seconds, so its progress is streamed as it is made, once every check
+        # create_model makes before writing has passed here (a mistake still gets its own status code).
+        await trio.to_thread.run_sync(check_spec, store, spec)
+        live = _live(events, state().nursery, store, name, spec)
+        return ndjson_response(live, lambda error: {"error": error.message})
     # create_model checks everything before it writes, and its progress is sent only once it is done,
     # so every mistake is answered with its own status code instead of an error line after a 200.
     await trio.to_thread.run_sync(functools.partial(create_model, store, name, spec, progress=events.append))
@@ -50,10 +60,36 @@ async def _replay(events: list[dict]) -> AsyncIterator[dict]:
         yield event
 
 
+async def _live(events: list[dict], nursery: trio.Nursery, store: Store, name: str, spec: ModelSpec) -> AsyncIterator[dict]:
+    """The progress already made, then create_model's as it reports it from its worker thread."""
+    for event in events:
+        yield event
+    send, receive = trio.open_memory_channel(0)
+    # The create runs in the server's nursery (as a pull does); this response only reads its progress.
+    nursery.start_soon(_create_then_close, store, name, spec, send)
+    async with receive:
+        async for event in receive:
+            if isinstance(event, BaseException):
+                raise event
+            yield event
+
+
+async def _create_then_close(store: Store, name: str, spec: ModelSpec, send: trio.MemorySendChannel) -> None:
+    def report(event: dict) -> None:
+        trio.from_thread.run(send.send, event)  # a client gone away raises here and stops the create
+
+    async with send:
+        try:
+            await trio.to_thread.run_sync(functools.partial(create_model, store, name, spec, progress=report))
+        except trio.BrokenResourceError:
+            pass  # nothing was written: the quantized file is removed and no manifest names it
+        except Exception as exc:  # noqa: BLE001 - delivered to the streaming client
+            with contextlib.suppress(trio.BrokenResourceError):
+                await send.send(exc)
+
+
 def _spec_from_body(body: dict) -> tuple[ModelSpec, list[dict]]:
     """The request as a ModelSpec, and the progress already made (parsing a legacy Modelfile)."""
-    if field(body, "quantize", str, ""):
-        raise ApiError(400, "quantize is not supported: quantize the GGUF first (llama.cpp's llama-quantize)")
     if field(body, "adapters", dict, {}):
         raise ApiError(400, "adapters are not supported: merge the LoRA adapter into the GGUF first")
     events: list[dict] = []
@@ -71,7 +107,7 @@ def _spec_from_body(body: dict) -> tuple[ModelSpec, list[dict]]:
     if from_model and files:
         raise ApiError(400, "give either `from` (a model name) or `files` (uploaded GGUF blobs), not both")
     if from_model or files:
-        fields.update(from_model=from_model, gguf_blob=_gguf_digest(files) if files else None, gguf_path=None)
+        fields.update(from_model=from_model, gguf_blob=_gguf_digest(files) if files else None, gguf_path=None, hf_folder=None)
     elif not fields:
         raise ApiError(400, "give `from` (a model name) or `files` (an uploaded GGUF: {name: digest})")
     for key in ("template", "system"):
@@ -83,6 +119,9 @@ def _spec_from_body(body: dict) -> tuple[ModelSpec, list[dict]]:
         fields["messages"] = parse_messages(messages)
     if (license := field(body, "license", (str, list), None)) is not None:
         fields["license"] = _licenses(license)
+    # `quantization` is the field's older name, which Ollama still reads.
+    if quantize := field(body, "quantize", str, "") or field(body, "quantization", str, ""):
+        fields["quantize"] = preset(quantize).name  # an unknown type: 400 listing the known ones
     return ModelSpec(**fields), events
 
 
@@ -95,7 +134,8 @@ def _gguf_digest(files: dict) -> str:
     if len(ggufs) != 1 or others:
         raise CreateModelError(
             f"corral creates a model from one GGUF file; got {', '.join(sorted(files))}"
-            " (safetensors conversion, split GGUFs and projector files are not supported)"
+            " (uploaded safetensors are not converted: name their folder in a Modelfile, FROM ./dir;"
+            " split GGUFs and projector files are not supported)"
         )
     return parse_digest(files[ggufs[0]])
 
