@@ -146,3 +146,15 @@ async def test_the_runner_process_embeds_like_the_runtime(minilm_path, load_once
             await runner.embed([TEXTS[-1]], truncate=False)
     assert there.prompt_eval_count == here.prompt_eval_count
     assert np.allclose(there.embeddings, here.embeddings, atol=1e-6)
+
+
+async def test_corral_converted_folder_embeds_like_sentence_transformers(tmp_path, sentence_transformer):
+    # The folder through corral's own converter (what `FROM ./dir` and a pull of the wheel use), no llama.cpp.
+    from embedding_models import minilm_folder
+
+    from corral.convert import convert_folder
+
+    path = convert_folder(minilm_folder(), tmp_path / "minilm.gguf")
+    async with Runtime.open(path, precision="fp32", num_parallel=1) as rt:
+        out = await rt.embed(TEXTS)
+    assert cosines(out.embeddings, reference(sentence_transformer, TEXTS)).min() >= 0.9999
