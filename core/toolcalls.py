@@ -18,6 +18,7 @@ until it is decided; text that looked like a call but never parsed is given back
 from __future__ import annotations
 
 import json
+import os
 import re
 import secrets
 from typing import Any, Iterable
@@ -274,14 +275,14 @@ class JsonToolCallParser(ToolCallParser):
 def sample_call_text(render) -> str:
     """What a template writes for one assistant tool call: the rendering of a turn holding a call to
     SAMPLE_NAME, less the rendering of the same conversation up to the generation prompt."""
-    call = {"id": "call_0", "type": "function", "function": {"name": SAMPLE_NAME, "arguments": SAMPLE_ARGUMENTS}}
+    # Nine alphanumerics: Mistral's templates reject any other id.
+    call = {"id": "corral000", "type": "function", "function": {"name": SAMPLE_NAME, "arguments": SAMPLE_ARGUMENTS}}
     tools = [sample_tool()]
     user = {"role": "user", "content": "corral sample question"}
     before = render([user], tools, True)
     after = render([user, {"role": "assistant", "content": "", "tool_calls": [call]}], tools, False)
-    if after.startswith(before):
-        return after[len(before) :]
-    return after[after.find("corral sample question") :] if "corral sample question" in after else after
+    # The generation prompt may differ from the header of a finished turn (thinking markers): keep what they share.
+    return after[len(os.path.commonprefix([before, after])) :]
 
 
 def sample_tool() -> dict:
@@ -305,15 +306,18 @@ def json_prefix(sample: str) -> str | None:
     return re.split(r"\n\n|<\|im_start\|>assistant\n|<\|start_header_id\|>assistant<\|end_header_id\|>", sample[:start])[-1].strip()
 
 
-def choose_parser(sample: str, families: Iterable[type[ToolCallParser]]) -> type[ToolCallParser] | ToolCallParser | None:
-    """The family that writes `sample`; else a generic JSON parser with the sample's prefix; else None."""
+def choose_parser(sample: str, families: Iterable[type[ToolCallParser]], source: str = "") -> type[ToolCallParser] | None:
+    """The family that writes `sample`; else a generic JSON parser with the sample's prefix; else the family whose
+    markers the template's `source` names (a template that renders no past calls, yet tells the model how to call);
+    else None."""
+    families = list(families)
     for family in families:
         if family.recognises(sample):
             return family
     prefix = json_prefix(sample)
-    if prefix is None:
-        return None
-    return _GenericJson.with_prefix(prefix)
+    if prefix is not None:
+        return _GenericJson.with_prefix(prefix)
+    return next((family for family in families if family.recognises(source)), None)
 
 
 class _GenericJson(JsonToolCallParser):
@@ -386,7 +390,7 @@ def parser_class_for(template: Any, plugins: Any) -> type[ToolCallParser] | None
     except TemplateError:
         return None
     families = sorted(plugins.tool_parsers().values(), key=lambda family: -getattr(family, "priority", 0))
-    return choose_parser(sample, families)
+    return choose_parser(sample, families, template.source)
 
 
 # --- forcing a call: the grammar of the family's call text -------------------------------------

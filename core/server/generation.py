@@ -1,6 +1,7 @@
 """One path from a generation request to runtime chunks, shared by the Ollama and OpenAI APIs.
 
-It applies the model's Modelfile defaults (options: request > Modelfile > environment > built-in;
+It parses tool calls out of a chat's output when the request offers tools (`plan_tools`, `with_tool_calls`;
+the syntax is the model's template's, see corral.toolcalls), applies the model's Modelfile defaults (options: request > Modelfile > environment > built-in;
 the SYSTEM message and MESSAGES when the request brings none), loads the model through the
 scheduler, streams the runtime's chunks, and counts tokens for /metrics.
 """
@@ -13,10 +14,15 @@ from typing import Any, AsyncIterator, Callable
 import attrs
 import trio
 
+from corral.gguf import GGUFFile
+from corral.grammar import LARK_KEY
 from corral.modelfile.defaults import ModelDefaults, model_defaults
 from corral.runner.interface import Runner
 from corral.runner.stream import Chunk
+from corral.server.http import ApiError
 from corral.server.state import state
+from corral.template import ChatTemplate
+from corral.toolcalls import ToolCall, ToolCallError, ToolCallParser, ToolChoice, forced_call_grammar, parser_class_for
 
 
 @attrs.frozen
@@ -58,3 +64,75 @@ async def started(items: AsyncIterator[Any]) -> AsyncIterator[Any]:
                 yield item
 
     return rest()
+
+
+# --- tool calls ------------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class ChatChunk(Chunk):
+    """A chat chunk whose text is content only: the tool calls completed with it are separate."""
+
+    tool_calls: tuple[ToolCall, ...] = ()
+
+
+@attrs.frozen
+class ToolPlan:
+    """How one request's tools are handled: the parser family (None: calls are not parsed) and the grammar of a
+    forced call (a runtime `format`; None when the model may answer in text)."""
+
+    tools: list[dict]
+    parser: type[ToolCallParser] | None
+    format: dict | None = None
+
+    def new_parser(self) -> ToolCallParser | None:
+        return self.parser(self.tools) if self.parser is not None else None
+
+
+def _template(name: str) -> ChatTemplate:
+    store = state().store
+    source = model_defaults(store, name).template or GGUFFile.open(store.model_path(name)).get("tokenizer.chat_template", "")
+    return ChatTemplate(source)
+
+
+def plan_tools(name: str, tools: list[dict], choice: ToolChoice, parallel: bool = True) -> ToolPlan:
+    """The plan for `tools` offered to model `name` (400 when the model cannot take tools, or a forced call
+    cannot be expressed in its syntax). Blocking: run it in a thread."""
+    state().require_capability(name, "tools")
+    parser = parser_class_for(_template(name), state().scheduler.plugins)
+    if choice.mode == "none":
+        return ToolPlan(tools, None)
+    if not choice.forces:
+        return ToolPlan(tools, parser)
+    if parser is None:
+        raise ApiError(400, f'"{name}" has no tool-call syntax corral can read from its template, so a call cannot be forced')
+    forced = [tool for tool in tools if choice.name in (None, tool["function"]["name"])]
+    try:
+        grammar = forced_call_grammar(parser, forced, parallel and choice.name is None)
+    except ToolCallError as exc:
+        raise ApiError(400, str(exc)) from exc
+    return ToolPlan(tools, parser, {LARK_KEY: grammar})
+
+
+async def with_tool_calls(items: AsyncIterator[Chunk], parser: ToolCallParser | None) -> AsyncIterator[Chunk]:
+    """`items` with their text split into content and tool calls (ChatChunks); unchanged without a parser."""
+    async for chunk in items:
+        if parser is None:
+            yield chunk
+            continue
+        parsed = parser.finish() if chunk.done else parser.feed(chunk.text)
+        if chunk.done:
+            if parsed.content or parsed.calls:
+                yield ChatChunk(text=parsed.content, tool_calls=parsed.calls)
+            yield ChatChunk(**{**attrs.asdict(chunk, recurse=False), "text": ""})
+        elif parsed.content or parsed.calls or chunk.logprobs:
+            yield ChatChunk(**{**attrs.asdict(chunk, recurse=False), "text": parsed.content, "tool_calls": parsed.calls})
+
+
+@contextlib.asynccontextmanager
+async def parsed_stream(stream_cm: contextlib.AbstractAsyncContextManager, parser: ToolCallParser | None):
+    """A runtime stream (the context manager `Runner.chat` returns) with tool calls parsed out of its text."""
+    async with stream_cm as stream:
+        parsed = with_tool_calls(stream, parser)
+        async with contextlib.aclosing(parsed):
+            yield parsed
