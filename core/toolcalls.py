@@ -257,16 +257,33 @@ class JsonToolCallParser(ToolCallParser):
             return calls, at
 
     @classmethod
-    def call_grammar(cls, tools: list[dict], parallel: bool) -> str:
-        """The Lark grammar of this family's call text (see `forced_call_grammar`)."""
+    def call_grammar(cls, tools: list[dict], parallel: bool, lazy: bool = False) -> str | None:
+        """The Lark grammar of this family's calls to `tools` (one unless `parallel`). `lazy`: the reply may be
+        text instead, and only once the prefix is written is the rest held to the calls' grammar (None when
+        the family has no prefix to wait for)."""
+        if lazy and not cls.prefix:
+            return None
         schema = {**call_schema(tools, cls.name_key, cls.arguments_key), "x-guidance": JSON_OPTIONS}
         if cls.writes_list:
-            body = {"type": "array", "items": schema, "minItems": 1, **({} if parallel else {"maxItems": 1}), "x-guidance": JSON_OPTIONS}
-            return f"start: {_lark_literal(cls.prefix)} call {_lark_literal(cls.suffix)}\ncall: %json {json.dumps(body)}\n"
-        one = f"{_lark_literal(cls.prefix)} call {_lark_literal(cls.suffix)}".replace('"" ', "").replace(' ""', "")
-        separator = "\"\\n\"" if cls.prefix else _lark_literal(cls.separator)
-        repeat = f" ({separator} {one})*" if parallel else ""
-        return f"start: {one}{repeat}\ncall: %json {json.dumps(schema)}\n"
+            schema = {"type": "array", "items": schema, "minItems": 1, **({} if parallel else {"maxItems": 1}), "x-guidance": JSON_OPTIONS}
+        # A newline may follow the prefix and precede the suffix, as templates write them; no other blanks.
+        one = " ".join(part for part in (_lark_literal(cls.prefix) if cls.prefix else "", 'NL? call NL?' if cls.suffix else "NL? call",
+                                         _lark_literal(cls.suffix) if cls.suffix else "") if part)
+        separator = "NL?" if cls.prefix else _lark_literal(cls.separator)
+        calls = f"{one} ({separator} {one})*" if parallel and not cls.writes_list else one
+        rules = [f"call: %json {json.dumps(schema)}", 'NL: "\\n"']
+        if lazy:
+            # Text without the prefix, or text up to the prefix's first occurrence (one lexeme, so the lexer
+            # never has to decide where text ends and a prefix starts) and then the calls.
+            prefix = _regex_literal(cls.prefix)
+            rules.append(f"TEXT: /(?s:.+)/ & ~/(?s:.*{prefix}.*)/")
+            rules.append(f"OPEN: /(?s:.*){prefix}/ & ~/(?s:.*{prefix}.+)/")
+            return "\n".join([f"start: TEXT | OPEN {calls.removeprefix(_lark_literal(cls.prefix)).lstrip()}", *rules]) + "\n"
+        return "\n".join([f"start: {calls}", *rules]) + "\n"
+
+
+def _regex_literal(text: str) -> str:
+    return re.escape(text).replace("/", "\\/")
 
 
 # --- which family a template writes ------------------------------------------------------------
@@ -418,3 +435,10 @@ def forced_call_grammar(parser: type[ToolCallParser], tools: list[dict], paralle
     if grammar is None:
         raise ToolCallError(f"forcing a tool call is not supported for the {parser.family} tool-call syntax; use tool_choice auto")
     return grammar(tools, parallel)
+
+
+def lazy_call_grammar(parser: type[ToolCallParser], tools: list[dict], parallel: bool) -> str | None:
+    """A Lark grammar that leaves the reply free until the family's prefix, then holds the calls to `tools`'
+    schemas; None when the family cannot be constrained this way (no prefix, or not JSON)."""
+    grammar = getattr(parser, "call_grammar", None)
+    return grammar(tools, parallel, lazy=True) if grammar is not None else None

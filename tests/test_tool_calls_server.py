@@ -189,3 +189,9 @@ async def test_ollama_tool_results_render_back(tool_server):
     again = await in_thread(lambda: ollama.Client(host=tool_server).chat(
         model="tiny-llama3", messages=history, tools=[WEATHER], options={"temperature": 0, "num_predict": 2}))
     assert again.prompt_eval_count > reply.prompt_eval_count + len("21 degrees")
+
+
+async def test_openai_auto_mode_answers_in_text_when_no_call_opens(tool_server):
+    reply = await in_thread(lambda: forced(tool_server, "hermes", max_tokens=6))
+    assert reply.choices[0].message.tool_calls is None
+    assert reply.choices[0].message.content and reply.choices[0].finish_reason == "length"

@@ -22,7 +22,7 @@ from corral.runner.stream import Chunk
 from corral.server.http import ApiError
 from corral.server.state import state
 from corral.template import ChatTemplate
-from corral.toolcalls import ToolCall, ToolCallError, ToolCallParser, ToolChoice, forced_call_grammar, parser_class_for
+from corral.toolcalls import ToolCall, ToolCallError, ToolCallParser, ToolChoice, forced_call_grammar, lazy_call_grammar, parser_class_for
 
 
 @attrs.frozen
@@ -103,7 +103,9 @@ def plan_tools(name: str, tools: list[dict], choice: ToolChoice, parallel: bool 
     if choice.mode == "none":
         return ToolPlan(tools, None)
     if not choice.forces:
-        return ToolPlan(tools, parser)
+        # The model may answer in text; once it opens a call, the call is held to the tools' schemas.
+        lazy = lazy_call_grammar(parser, tools, parallel) if parser is not None else None
+        return ToolPlan(tools, parser, {LARK_KEY: lazy} if lazy else None)
     if parser is None:
         raise ApiError(400, f'"{name}" has no tool-call syntax corral can read from its template, so a call cannot be forced')
     forced = [tool for tool in tools if choice.name in (None, tool["function"]["name"])]

@@ -198,7 +198,7 @@ async def chat():
     def start(run: generation.Prepared):
         stream = run.runtime.chat(
             run.chat_messages(messages), run.options, tools=tools or None, shift=req["shift"], logprobs=req["logprobs"],
-            top_logprobs=req["top_logprobs"], format=req["format"],
+            top_logprobs=req["top_logprobs"], format=req["format"] if req["format"] or plan is None else plan.format,
         )
         return generation.parsed_stream(stream, plan.new_parser() if plan else None)
 

@@ -233,13 +233,13 @@ async def chat_completions():
     req = _request(body, _common(body, None), logprobs, top_logprobs)
     state().scheduler.resolve(model)  # unknown model: 404 before anything loads
     plan = await trio.to_thread.run_sync(generation.plan_tools, model, tools, choice, parallel) if tools else None
-    if plan is not None and plan.format is not None and response_format is not None:
+    if plan is not None and choice.forces and response_format is not None:
         raise ApiError(400, "a forced tool call (tool_choice) cannot be combined with response_format")
 
     def start(run: generation.Prepared):
         stream = run.runtime.chat(
             run.chat_messages(messages), run.options, tools=tools or None, logprobs=req.logprobs, top_logprobs=req.top_logprobs,
-            format=plan.format if plan is not None and plan.format is not None else response_format,
+            format=response_format if response_format is not None or plan is None else plan.format,
         )
         return generation.parsed_stream(stream, plan.new_parser() if plan is not None else None)
 
