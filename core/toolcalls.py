@@ -60,9 +60,10 @@ class Parsed:
 
     content: str = ""
     calls: tuple[ToolCall, ...] = ()
+    thinking: str = ""  # reasoning the model wrote in its own channel (harmony's analysis)
 
     def __add__(self, other: Parsed) -> Parsed:
-        return Parsed(self.content + other.content, self.calls + other.calls)
+        return Parsed(self.content + other.content, self.calls + other.calls, self.thinking + other.thinking)
 
 
 class ToolCallParser:
@@ -299,13 +300,18 @@ def sample_call_text(render) -> str:
     before = render([user], tools, True)
     after = render([user, {"role": "assistant", "content": "", "tool_calls": [call]}], tools, False)
     # The generation prompt may differ from the header of a finished turn (thinking markers): keep what they share.
-    return after[len(os.path.commonprefix([before, after])) :]
+    shared = os.path.commonprefix([before, after])
+    # Cut after the last whole piece they share: `<|im_start|>assistant\n<t` is followed by `<think>` in one and
+    # by `<tool_call>` in the other, and the call's text starts at its `<`.
+    cut = max(shared.rfind(">"), shared.rfind("\n"), shared.rfind("]")) + 1
+    return after[cut:]
 
 
 def sample_tool() -> dict:
     """The tool the sample call names, as the APIs send tools."""
     return {"type": "function", "function": {"name": SAMPLE_NAME, "description": "a sample",
-            "parameters": {"type": "object", "properties": {"corral_sample_argument": {"type": "string"}}}}}
+            "parameters": {"type": "object", "properties": {"corral_sample_argument": {"type": "string", "description": "a sample"}},
+                           "required": ["corral_sample_argument"]}}}
 
 
 def json_prefix(sample: str) -> str | None:

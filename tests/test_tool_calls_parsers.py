@@ -50,7 +50,7 @@ CASES = [
     ("phi4", 'ok <|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}]<|/tool_call|>', "ok", [("get_weather", {"city": "Paris"})]),
     ("command-r", '<|START_ACTION|>[{"tool_call_id": "0", "tool_name": "get_weather", "parameters": {"city": "Paris"}}]<|END_ACTION|>',
      "", [("get_weather", {"city": "Paris"})]),
-    ("command-r-plus", 'Action: ```json\n[{"tool_name": "get_weather", "parameters": {"city": "Paris"}}]\n```', "", [("get_weather", {"city": "Paris"})]),
+    ("command-r-plus", 'Action:\n```json\n[{"tool_name": "get_weather", "parameters": {"city": "Paris"}}]\n```', "", [("get_weather", {"city": "Paris"})]),
     ("qwen3-coder", 'Checking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nPar is\n</parameter>\n<parameter=days>\n3\n</parameter>\n'
      '</function>\n</tool_call>', "Checking.", [("get_weather", {"city": "Par is", "days": 3})]),
     ("deepseek", "Hm.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{\"city\": \"Paris\"}\n```"
@@ -58,6 +58,9 @@ CASES = [
     ("deepseek", "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{\"city\": \"Paris\"}<｜tool▁call▁end｜>"
      "<｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{\"city\": \"Rome\"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
      "", [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Rome"})]),
+    ("harmony", '<|channel|>analysis<|message|>Need weather.<|end|><|start|>assistant<|channel|>commentary to=functions.get_weather '
+     '<|constrain|>json<|message|>{"city": "Paris"}<|call|>', "", [("get_weather", {"city": "Paris"})]),
+    ("harmony", '<|channel|>final<|message|>It is sunny.<|return|>', "It is sunny.", []),
 ]
 
 
@@ -106,3 +109,10 @@ def test_an_unfinished_call_is_given_back_as_content():
 def test_llama3_json_after_text_is_content():
     text = 'Here is JSON: {"name": "get_weather", "parameters": {}}'
     assert parse_whole("llama3", text) == Parsed(text)
+
+
+def test_harmony_analysis_is_thinking_not_content():
+    text = "<|channel|>analysis<|message|>Think first.<|end|><|start|>assistant<|channel|>final<|message|>Done.<|return|>"
+    for at in range(len(text) + 1):
+        parsed = parse_split("harmony", text, at)
+        assert (parsed.thinking, parsed.content, parsed.calls) == ("Think first.", "Done.", ()), at
