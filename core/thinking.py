@@ -1,7 +1,7 @@
 """Thinking: whether a model's template can think, the switches a request sets, and splitting the reasoning a
 model writes (`<think>...</think>`) from its answer as the output streams.
 
-A template can think when it has a thinking switch or marker: a Go template naming `.Think` (as Ollama checks),
+(The template's switches are set from `think` by `ChatTemplate.render`.) A template can think when it has a thinking switch or marker: a Go template naming `.Think` (as Ollama checks),
 a Jinja one naming `enable_thinking`, `reasoning_content`, `<think>` or harmony's analysis channel. It takes an
 effort level ("low", "medium", "high") when it names `reasoning_effort` (Jinja) or `.ThinkLevel` (Go).
 """
@@ -48,16 +48,6 @@ def parse_think(value: Any) -> bool | str | None:
     if isinstance(value, str) and value in LEVELS:
         return value
     raise ThinkError(f'think must be true, false, "low", "medium" or "high", got {value!r}')
-
-
-def template_variables(think: bool | str | None) -> dict[str, Any]:
-    """The variables a template reads for `think`: Jinja's `enable_thinking` and `reasoning_effort`, Go's `.Think`."""
-    if think is None:
-        return {}
-    out: dict[str, Any] = {"think": think, "enable_thinking": bool(think)}
-    if isinstance(think, str):
-        out["reasoning_effort"] = think
-    return out
 
 
 class ThinkingParser:

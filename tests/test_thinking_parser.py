@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from corral.thinking import ThinkError, ThinkingParser, can_think, parse_think, takes_effort, template_variables
+from corral.thinking import ThinkError, ThinkingParser, can_think, parse_think, takes_effort
 
 
 def split(text: str, at: int, thinking_first: bool = False):
@@ -46,5 +46,3 @@ def test_think_values():
     assert [parse_think(v) for v in (None, True, False, "high")] == [None, True, False, "high"]
     with pytest.raises(ThinkError):
         parse_think("maximum")
-    assert template_variables("low") == {"think": "low", "enable_thinking": True, "reasoning_effort": "low"}
-    assert template_variables(None) == {}

@@ -17,6 +17,7 @@ from corral.server.http import ApiError, field, ndjson_response, now_rfc3339, re
 from corral.server.state import state
 from corral.gotemplate import OllamaTemplate
 from corral.template import ChatTemplate, renders_suffix
+from corral.thinking import parse_think
 from corral.toolcalls import ToolChoice, parse_tools
 
 bp = quart.Blueprint("ollama", __name__)
@@ -87,13 +88,14 @@ async def _respond(req: dict, chunks: AsyncIterator[dict], text_key: tuple[str, 
     if req["stream"]:
         return ndjson_response(chunks, _error_line)
     # Not streaming: one object with the text concatenated and the final metrics.
-    text, logprobs, tool_calls, final = [], [], [], {}
+    text, logprobs, tool_calls, thinking, final = [], [], [], [], {}
     async for item in chunks:
         node = item
         for key in text_key[:-1]:
             node = node.get(key, {})
         text.append(node.get(text_key[-1], ""))
         tool_calls += node.get("tool_calls", [])
+        thinking.append(node.get("thinking", ""))
         logprobs += item.get("logprobs", [])
         final = item
     node = final
@@ -102,6 +104,8 @@ async def _respond(req: dict, chunks: AsyncIterator[dict], text_key: tuple[str, 
     node[text_key[-1]] = "".join(text)
     if tool_calls:
         node["tool_calls"] = tool_calls
+    if "".join(thinking):
+        node["thinking"] = "".join(thinking)
     if req["logprobs"]:
         final["logprobs"] = logprobs
     return final
@@ -192,18 +196,23 @@ async def chat():
     if not messages:
         return await _load_or_unload(req, base)
     tools = parse_tools(body.get("tools"))  # a bad shape is a ToolCallError: 400
+    think = parse_think(body.get("think"))
     plan = await trio.to_thread.run_sync(generation.plan_tools, req["model"], tools, ToolChoice()) if tools else None
+    thinking = await trio.to_thread.run_sync(generation.plan_thinking, req["model"], think, False) if think is not None else None
     calls = _CallCounter()
 
     def start(run: generation.Prepared):
         stream = run.runtime.chat(
-            run.chat_messages(messages), run.options, tools=tools or None, shift=req["shift"], logprobs=req["logprobs"],
-            top_logprobs=req["top_logprobs"], format=req["format"] if req["format"] or plan is None else plan.format,
+            generation.with_reasoning(run.chat_messages(messages)), run.options, tools=tools or None, shift=req["shift"],
+            logprobs=req["logprobs"], top_logprobs=req["top_logprobs"],
+            format=req["format"] if req["format"] or plan is None else plan.format, **({} if think is None else {"think": think}),
         )
-        return generation.parsed_stream(stream, plan.new_parser() if plan else None)
+        return generation.parsed_stream(stream, generation.reply_parser(plan, thinking))
 
     def chunk_obj(chunk: Chunk) -> dict:
         message = {"role": "assistant", "content": chunk.text} | calls.shape(getattr(chunk, "tool_calls", ()))
+        if getattr(chunk, "thinking", ""):
+            message["thinking"] = chunk.thinking
         out = {"model": req["model"], "created_at": now_rfc3339(), "message": message, "done": False}
         return out | ({"logprobs": _logprobs(chunk)} if chunk.logprobs else {})
 

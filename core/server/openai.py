@@ -170,6 +170,19 @@ def _message(message: Any) -> dict:
     return out
 
 
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
+
+
+def _reasoning_effort(body: dict) -> bool | str | None:
+    """`reasoning_effort` as a think value: "none" is no thinking, "minimal" the lowest level; absent is None."""
+    effort = field(body, "reasoning_effort", str)
+    if effort is None:
+        return None
+    if effort not in REASONING_EFFORTS:
+        raise ApiError(400, f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}, got {effort!r}")
+    return False if effort == "none" else "low" if effort == "minimal" else effort
+
+
 def _name_tool_results(messages: list[dict]) -> list[dict]:
     """Tool results named after the call they answer (OpenAI sends only `tool_call_id`; templates print the
     function's name, which Ollama calls `tool_name`)."""
@@ -226,6 +239,7 @@ async def chat_completions():
     tools = parse_tools(field(body, "tools", list))
     choice = parse_tool_choice(body.get("tool_choice"), tools)
     parallel = field(body, "parallel_tool_calls", bool, True)
+    think = _reasoning_effort(body)
     logprobs = field(body, "logprobs", bool, False)
     top_logprobs = _integer(body, "top_logprobs", 0, MAX_TOP_LOGPROBS, 0)
     if top_logprobs and not logprobs:
@@ -233,28 +247,33 @@ async def chat_completions():
     req = _request(body, _common(body, None), logprobs, top_logprobs)
     state().scheduler.resolve(model)  # unknown model: 404 before anything loads
     plan = await trio.to_thread.run_sync(generation.plan_tools, model, tools, choice, parallel) if tools else None
+    thinking = await trio.to_thread.run_sync(generation.plan_thinking, model, think, True)
     if plan is not None and choice.forces and response_format is not None:
         raise ApiError(400, "a forced tool call (tool_choice) cannot be combined with response_format")
 
     def start(run: generation.Prepared):
         stream = run.runtime.chat(
-            run.chat_messages(messages), run.options, tools=tools or None, logprobs=req.logprobs, top_logprobs=req.top_logprobs,
-            format=response_format if response_format is not None or plan is None else plan.format,
+            generation.with_reasoning(run.chat_messages(messages)), run.options, tools=tools or None, logprobs=req.logprobs,
+            top_logprobs=req.top_logprobs, format=response_format if response_format is not None or plan is None else plan.format,
+            **({} if think is None else {"think": think}),
         )
-        return generation.parsed_stream(stream, plan.new_parser() if plan is not None else None)
+        return generation.parsed_stream(stream, generation.reply_parser(plan, thinking))
 
     chunks = await _started(req, start)
     reply = {"id": f"chatcmpl-{secrets.token_hex(12)}", "created": int(time.time()), "model": req.model, "system_fingerprint": FINGERPRINT}
     if req.stream:
         return sse_response(_chat_events(req, reply, chunks, parallel), _error_event)
-    text, token_logprobs, calls, final = [], [], [], None
+    text, token_logprobs, calls, reasoning, final = [], [], [], [], None
     async for chunk in chunks:
         text.append(chunk.text)
+        reasoning.append(getattr(chunk, "thinking", ""))
         token_logprobs += _chat_logprobs(chunk.logprobs)
         calls += getattr(chunk, "tool_calls", ())
         final = chunk
     calls = calls if parallel else calls[:1]
     message = {"role": "assistant", "content": "".join(text) or (None if calls else "")}
+    if "".join(reasoning):
+        message["reasoning_content"] = "".join(reasoning)
     if calls:
         message["tool_calls"] = [{key: value for key, value in call.openai(i).items() if key != "index"} for i, call in enumerate(calls)]
     choice = {
@@ -289,6 +308,8 @@ async def _chat_events(req: Completion, reply: dict, chunks: AsyncIterator[Chunk
                 if req.include_usage:
                     yield {**base, "choices": [], "usage": _usage(chunk)}
                 continue
+            if getattr(chunk, "thinking", ""):
+                yield event({"reasoning_content": chunk.thinking})
             if chunk.text or (req.logprobs and chunk.logprobs):
                 logprobs = {"content": _chat_logprobs(chunk.logprobs), "refusal": None} if req.logprobs else None
                 yield event({"content": chunk.text}, logprobs=logprobs)
