@@ -118,3 +118,46 @@ async def test_a_bad_think_value_is_400(think_server):
     with pytest.raises(ollama.ResponseError, match="think must be"):
         await in_thread(lambda: ollama.Client(host=think_server)._request_raw(
             "POST", "/api/chat", json={"model": "tiny-r1", "messages": ASK, "think": "maximum", "stream": False}))
+
+
+# --- the CLI: corral run --think, /set think ----------------------------------------------------------
+
+
+@pytest.fixture
+def cli(think_server, monkeypatch, tmp_path):
+    """`corral` in a worker thread against the live server."""
+    import functools
+
+    from click.testing import CliRunner
+
+    from corral.cli import main
+
+    monkeypatch.setenv("CORRAL_HOST", think_server.removeprefix("http://"))
+    monkeypatch.setenv("CORRAL_MODELS", str(tmp_path / "empty-store"))
+
+    async def invoke(*args, input=None):
+        call = functools.partial(CliRunner().invoke, main, [str(a) for a in args], input=input, catch_exceptions=False)
+        return await trio.to_thread.run_sync(call)
+
+    return invoke
+
+
+async def test_run_think_shows_the_thinking_apart(cli):
+    result = await cli("run", "tiny-r1", "Why?", "--think", "--temperature", 1, "--seed", 7, "--num-predict", 8)
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith("Thinking...\n")
+
+
+async def test_run_think_on_a_model_that_cannot_is_a_clear_error(cli):
+    result = await cli("run", "tiny-plain", "Why?", "--think", "--num-predict", 4)
+    assert result.exit_code != 0 and "does not support thinking" in result.output
+
+
+async def test_set_think_in_the_chat(cli, monkeypatch):
+    monkeypatch.setattr("corral.cli.commands.stdin_is_interactive", lambda: True)
+    script = "/set parameter seed 7\n/set think high\nWhy?\n/set nothink\nWhy?\n/set think maximal\n/bye\n"
+    result = await cli("run", "tiny-r1", "--num-predict", 8, input=script)
+    assert result.exit_code == 0, result.output
+    assert "Set 'think' mode to high." in result.output and "Set 'nothink' mode." in result.output
+    assert result.output.count("Thinking...") == 1
+    assert "Couldn't set think" in result.output
