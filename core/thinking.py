@@ -16,7 +16,7 @@ from corral.toolcalls import Parsed
 
 LEVELS = ("low", "medium", "high")
 OPEN, CLOSE = "<think>", "</think>"
-_JINJA_MARKERS = ("enable_thinking", "reasoning_content", OPEN, "<|channel|>analysis", "thinking")
+_JINJA_MARKERS = ("enable_thinking", "reasoning_content", OPEN, "<|channel|>analysis")
 
 
 class ThinkError(CorralError):

@@ -161,3 +161,14 @@ async def test_set_think_in_the_chat(cli, monkeypatch):
     assert "Set 'think' mode to high." in result.output and "Set 'nothink' mode." in result.output
     assert result.output.count("Thinking...") == 1
     assert "Couldn't set think" in result.output
+
+
+async def test_show_lists_thinking_among_the_capabilities(think_server):
+    client = ollama.Client(host=think_server)
+    assert "thinking" in (await in_thread(client.show, "tiny-r1")).capabilities
+    assert "thinking" not in (await in_thread(client.show, "tiny-plain")).capabilities
+
+
+async def test_think_on_generate_is_refused_not_dropped(think_server):
+    with pytest.raises(ollama.ResponseError, match="think is supported on /api/chat"):
+        await in_thread(lambda: ollama.Client(host=think_server).generate(model="tiny-r1", prompt="Why?", think=True))

@@ -155,6 +155,8 @@ async def generate():
         raise ApiError(400, "raw mode does not support template, system, or context")
     template = field(body, "template", str, None)
     suffix = field(body, "suffix", str, "")
+    if parse_think(body.get("think")):
+        raise ApiError(400, "think is supported on /api/chat; /api/generate does not split thinking yet")
     state().scheduler.resolve(req["model"])
     base = {"model": req["model"], "created_at": now_rfc3339(), "response": ""}
     if not prompt and not body.get("images"):

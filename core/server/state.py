@@ -14,6 +14,7 @@ from corral.scheduler import Scheduler
 from corral.server.http import ApiError
 from corral.store import Store
 from corral.template import renders_suffix, renders_tools
+from corral.thinking import can_think
 
 
 @attrs.define
@@ -43,9 +44,10 @@ def state() -> ServerState:
 
 def model_capabilities(store: Store, name: str) -> list[str]:
     """What a model can do: always "completion"; "tools" when its chat template renders tools, "insert" when
-    it renders a suffix."""
+    it renders a suffix, "thinking" when it has a thinking switch or markers."""
     template = model_defaults(store, name).template or GGUFFile.open(store.model_path(name)).get("tokenizer.chat_template", "")
-    return ["completion"] + (["tools"] if renders_tools(template) else []) + (["insert"] if renders_suffix(template) else [])
+    return (["completion"] + (["tools"] if renders_tools(template) else []) + (["insert"] if renders_suffix(template) else [])
+            + (["thinking"] if can_think(template) else []))
 
 
 def describe_gguf(path: Any) -> dict:
