@@ -5,10 +5,15 @@ from __future__ import annotations
 
 import pytest
 import trio
-from test_tool_calls_server import ASK, CITY, LLAMA_CALL, TIME, WEATHER, tool_server, tool_store_root  # noqa: F401 (fixtures)
+import test_tool_calls_server as shared
+from test_tool_calls_server import ASK, CITY, LLAMA_CALL, TIME, WEATHER
 
 langchain_openai = pytest.importorskip("langchain_openai")
 langchain_ollama = pytest.importorskip("langchain_ollama")
+
+# The same fixtures: a store of tiny models with real templates, and a live server over a copy of it.
+tool_store_root = shared.tool_store_root
+tool_server = shared.tool_server
 
 
 async def in_thread(fn):
