@@ -57,3 +57,26 @@ def test_a_template_without_tools_has_no_parser(plugins):
     from conftest import CHATML
 
     assert parser_class_for(ChatTemplate(CHATML), plugins) is None
+
+
+QWEN_GO = """{{- if .Tools }}<|im_start|>system
+Tools: {{ range .Tools }}{{ json . }}{{ end }}<|im_end|>
+{{ end }}{{- range .Messages }}<|im_start|>{{ .Role }}
+{{ if .ToolCalls }}{{ range .ToolCalls }}<tool_call>
+{"name": "{{ .Function.Name }}", "arguments": {{ .Function.Arguments }}}
+</tool_call>{{ end }}{{ else }}{{ .Content }}{{ end }}<|im_end|>
+{{ end }}<|im_start|>assistant
+"""
+LLAMA_GO = """{{- range .Messages }}<|start_header_id|>{{ .Role }}<|end_header_id|>
+
+{{ if .ToolCalls }}{{ range .ToolCalls }}{"name": "{{ .Function.Name }}", "parameters": {{ .Function.Arguments }}}{{ end }}
+{{- else }}{{ .Content }}{{ end }}<|eot_id|>{{ end }}{{ if .Tools }}{{ end }}<|start_header_id|>assistant<|end_header_id|>
+
+"""
+
+
+@pytest.mark.parametrize("source, family", [(QWEN_GO, "hermes"), (LLAMA_GO, "llama3")])
+def test_an_ollama_go_template_names_its_family_too(plugins, source, family):
+    template = ChatTemplate(source)
+    assert template.is_go
+    assert parser_class_for(template, plugins).family == family
