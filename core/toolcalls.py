@@ -222,6 +222,9 @@ class JsonToolCallParser(ToolCallParser):
     name_key = "name"
     arguments_key = "arguments"
     writes_list = False  # a forced call is written as a JSON list of calls (Mistral, Granite, Command-R)
+    # Whether models write the prefix as ordinary text tokens. A control token ([TOOL_CALLS], <|tool_call|>) is no
+    # text to llguidance, so free text could never reach it: auto mode then leaves the reply unconstrained.
+    prefix_is_text = False
 
     def __init__(self, tools: list[dict] | None = None, prefix: str | None = None):
         super().__init__(tools)
@@ -262,7 +265,7 @@ class JsonToolCallParser(ToolCallParser):
         """The Lark grammar of this family's calls to `tools` (one unless `parallel`). `lazy`: the reply may be
         text instead, and only once the prefix is written is the rest held to the calls' grammar (None when
         the family has no prefix to wait for)."""
-        if lazy and not cls.prefix:
+        if lazy and not (cls.prefix and cls.prefix_is_text):
             return None
         schema = {**call_schema(tools, cls.name_key, cls.arguments_key), "x-guidance": JSON_OPTIONS}
         if cls.writes_list:

@@ -74,6 +74,11 @@ def test_each_json_family_forces_its_own_syntax(tokenizer, name, text):
     assert [(c.name, c.arguments) for c in parsed.calls] == [("get_weather", {"city": "Paris"})]
 
 
+def test_auto_mode_is_unconstrained_where_the_prefix_is_a_control_token():
+    assert lazy_call_grammar(family("mistral"), [WEATHER], parallel=True) is None  # [TOOL_CALLS]
+    assert lazy_call_grammar(family("llama3"), [WEATHER], parallel=True) is None  # no prefix to wait for
+
+
 def test_a_family_without_a_call_grammar_cannot_be_forced():
     from corral.toolcalls import ToolCallError
 

@@ -8,6 +8,7 @@ class HermesToolCallParser(JsonToolCallParser):
     family = "hermes"
     prefix = "<tool_call>"
     suffix = "</tool_call>"
+    prefix_is_text = True  # Qwen's and Hermes' <tool_call> is a user-defined token: its text
 
     @classmethod
     def recognises(cls, sample: str) -> bool:
