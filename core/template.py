@@ -102,7 +102,8 @@ class ChatTemplate:
         """The prompt text for `messages`, ending with the assistant's turn opener when asked.
 
         A Go template renders as Ollama renders it (it always ends where the reply starts, so
-        `add_generation_prompt` does not apply; `think` in `extra` sets `.Think`).
+        `add_generation_prompt` does not apply; `think` in `extra` sets `.Think` and, when a level, `.ThinkLevel`).
+        For a Jinja template, `think` sets `enable_thinking` and, when a level, `reasoning_effort`.
         """
         if self.is_go:
             think = extra.get("think")

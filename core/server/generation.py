@@ -9,18 +9,18 @@ scheduler, streams the runtime's chunks, and counts tokens for /metrics.
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any, AsyncIterator, Callable
 
 import attrs
 import trio
 
-from corral.gguf import GGUFFile
 from corral.grammar import LARK_KEY
 from corral.modelfile.defaults import ModelDefaults, model_defaults
 from corral.runner.interface import Runner
 from corral.runner.stream import Chunk
 from corral.server.http import ApiError
-from corral.server.state import state
+from corral.server.state import model_template_source, state
 from corral.template import ChatTemplate
 from corral.thinking import OPEN, ThinkingParser, can_think
 from corral.toolcalls import Parsed, ToolCall, ToolCallError, ToolCallParser, ToolChoice, forced_call_grammar, lazy_call_grammar, parser_class_for
@@ -92,9 +92,12 @@ class ToolPlan:
 
 
 def _template(name: str) -> ChatTemplate:
-    store = state().store
-    source = model_defaults(store, name).template or GGUFFile.open(store.model_path(name)).get("tokenizer.chat_template", "")
-    return ChatTemplate(source)
+    return _compiled(model_template_source(state().store, name))
+
+
+@functools.lru_cache(maxsize=64)
+def _compiled(source: str) -> ChatTemplate:
+    return ChatTemplate(source)  # compiling a long template takes milliseconds; each request would pay them
 
 
 def plan_tools(name: str, tools: list[dict], choice: ToolChoice, parallel: bool = True) -> ToolPlan:
