@@ -132,9 +132,11 @@ class LoadedModel:
             raise ValueError("logits() needs at least one token")
         return self.forward(Batch.single(ids, all_logits=True), self.new_cache(len(ids)))
 
-    def chat_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-        """Token ids of `messages` (and the tools on offer) rendered through the chat template."""
-        ids = self.tokenize(self.template.render(messages, add_generation_prompt=True, tools=tools), add_special=True)
+    def chat_ids(self, messages: list[dict], tools: list[dict] | None = None, think: bool | str | None = None) -> list[int]:
+        """Token ids of `messages` (and the tools on offer) rendered through the chat template; `think` (None: the
+        template's default) sets its thinking switch."""
+        extra = {} if think is None else {"think": think}
+        ids = self.tokenize(self.template.render(messages, add_generation_prompt=True, tools=tools, **extra), add_special=True)
         bos = self.tokenizer.bos_id
         if len(ids) > 1 and ids[0] == ids[1] == bos:
             ids = ids[1:]  # the template wrote BOS itself

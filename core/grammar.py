@@ -32,6 +32,10 @@ log = logging.getLogger(__name__)
 # Compact, fixed separators: with free whitespace, small models can emit newlines until num_predict.
 # A schema's own "x-guidance" options override these.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# A format that is a Lark grammar in llguidance's dialect rather than a schema: {LARK_KEY: "start: ..."}.
+# corral's own tool calls use it (a forced call is the family's call text around JSON); it travels to a
+# runner process as plain JSON like any other format.
+LARK_KEY = "x-corral-lark"
 
 
 class InvalidFormatError(CorralError):
@@ -49,6 +53,8 @@ def compile_format(format: Any) -> Grammar | None:
     """The grammar for a request's `format`: "json" (any JSON object), a JSON-schema object, or None/"" (none)."""
     if format is None or format == "":
         return None
+    if isinstance(format, dict) and set(format) == {LARK_KEY}:
+        return _compile_lark(format[LARK_KEY])
     if format == "json":
         schema: Any = {"type": "object"}
     elif isinstance(format, dict):
@@ -63,6 +69,16 @@ def compile_format(format: Any) -> Grammar | None:
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(source)
     if is_error:
         raise InvalidFormatError(f"format is not a JSON schema corral can enforce: {messages[0]}")
+    return Grammar(source)
+
+
+def _compile_lark(text: Any) -> Grammar:
+    if not isinstance(text, str):
+        raise InvalidFormatError(f"{LARK_KEY} must be a Lark grammar string")
+    source = llguidance.LLMatcher.grammar_from_lark(text)
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(source)
+    if is_error:
+        raise InvalidFormatError(f"the grammar cannot be enforced: {messages[0]}")
     return Grammar(source)
 
 

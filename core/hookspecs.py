@@ -19,3 +19,8 @@ def register_backends(register):
 @hookspec
 def register_samplers(register):
     """Call `register(name, SamplerClass)` for each sampler or logits processor of the chain."""
+
+
+@hookspec
+def register_tool_parsers(register):
+    """Call `register(name, ParserClass)` for each tool-call syntax (a `corral.toolcalls.ToolCallParser`)."""

@@ -20,7 +20,7 @@ from corral.gguf import GGUFFile
 
 ENTRY_POINT_GROUP = "corral"
 ALLOW_ENV = "CORRAL_LOAD_PLUGINS"
-KINDS = ("architectures", "backends", "samplers")
+KINDS = ("architectures", "backends", "samplers", "tool_parsers")
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +97,10 @@ class Plugins:
     def samplers(self) -> dict[str, Any]:
         """Sampler name -> sampler class."""
         return self._collect("register_samplers")
+
+    def tool_parsers(self) -> dict[str, Any]:
+        """Tool-call family name -> parser class."""
+        return self._collect("register_tool_parsers")
 
     def describe(self) -> list[PluginInfo]:
         """Every loaded plugin with its distribution, version and what it registers."""

@@ -102,11 +102,19 @@ class ChatTemplate:
         """The prompt text for `messages`, ending with the assistant's turn opener when asked.
 
         A Go template renders as Ollama renders it (it always ends where the reply starts, so
-        `add_generation_prompt` does not apply; `think` in `extra` sets `.Think`).
+        `add_generation_prompt` does not apply; `think` in `extra` sets `.Think` and, when a level, `.ThinkLevel`).
+        For a Jinja template, `think` sets `enable_thinking` and, when a level, `reasoning_effort`.
         """
         if self.is_go:
-            text = self._template.render(messages, tools=tools, think=bool(extra.get("think")), is_think_set="think" in extra)
+            think = extra.get("think")
+            level = think if isinstance(think, str) else ""
+            text = self._template.render(messages, tools=tools, think=bool(think), think_level=level, is_think_set="think" in extra)
             return self._without_bos(text)
+        if "think" in extra:
+            # Jinja templates' own switches: Qwen 3's enable_thinking, gpt-oss's reasoning_effort.
+            extra = {"enable_thinking": bool(extra["think"]), **extra}
+            if isinstance(extra["think"], str):
+                extra.setdefault("reasoning_effort", extra["think"])
         context = {
             "bos_token": self.bos_token,
             "eos_token": self.eos_token,

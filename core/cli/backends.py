@@ -11,6 +11,10 @@ from corral.client import Client, ServerError
 from corral.modelfile.defaults import ModelDefaults, format_parameters, model_defaults
 
 
+class ThinkingText(str):
+    """A piece of the model's thinking (not its answer), as a chat backend streams it."""
+
+
 def running_server() -> Client | None:
     """A client for the server at CORRAL_HOST, or None when none answers there."""
     client = Client()
@@ -60,6 +64,7 @@ class ServerChat:
         self.model = model
         self.keep_alive = keep_alive
         self.format = fmt
+        self.think: bool | str | None = None  # None: the model's default
         self.metrics: dict = {}
 
     def ensure_pulled(self) -> None:
@@ -75,8 +80,11 @@ class ServerChat:
 
     def stream(self, messages: list[dict], options: dict) -> Iterator[str]:
         """The reply's text pieces; `metrics` holds the final chunk's figures afterwards."""
-        chunks = self.client.chat(self.model, messages, options=options or None, keep_alive=self.keep_alive, format=self.format)
+        chunks = self.client.chat(self.model, messages, options=options or None, keep_alive=self.keep_alive, format=self.format,
+                                  think=self.think)
         for chunk in chunks:
+            if chunk.get("message", {}).get("thinking"):
+                yield ThinkingText(chunk["message"]["thinking"])
             yield chunk.get("message", {}).get("content", "")
             if chunk.get("done"):
                 self.metrics = chunk
@@ -108,6 +116,7 @@ class LocalChat:
         self.path = path
         self.defaults = defaults
         self.format = fmt
+        self.think: bool | str | None = None
         self.metrics: dict = {}
         # The context as the server sizes it: asked for > Modelfile > CORRAL_CONTEXT_LENGTH > by memory.
         self._default_num_ctx = num_ctx or defaults.options.get("num_ctx") or context_default(system_info())
@@ -121,8 +130,16 @@ class LocalChat:
         merged = self.defaults.merge_options(options)
         merged.setdefault("num_predict", self.DEFAULT_NUM_PREDICT)
         runtime = self._runtime_for(merged)
-        for chunk in runtime.chat(self.defaults.chat_messages(messages), merged, format=self.format):
-            if chunk.text:
+        thinking = self._thinking_parser(runtime)
+        extra = {} if self.think is None else {"think": self.think}
+        for chunk in runtime.chat(self.defaults.chat_messages(messages), merged, format=self.format, **extra):
+            if thinking is not None:
+                parsed = thinking.finish() if chunk.done else thinking.feed(chunk.text)
+                if parsed.thinking:
+                    yield ThinkingText(parsed.thinking)
+                if parsed.content:
+                    yield parsed.content
+            elif chunk.text:
                 yield chunk.text
             if chunk.done:
                 self.metrics = {
@@ -135,6 +152,19 @@ class LocalChat:
                     "eval_duration": chunk.eval_duration,
                 }
                 self._load_ns = 0
+
+    def _thinking_parser(self, runtime: Any) -> Any:
+        """A splitter of the thinking from the answer when thinking is on (as the server's, see plan_thinking)."""
+        from corral.errors import CorralError
+        from corral.thinking import OPEN, ThinkingParser, can_think
+
+        if not self.think:
+            return None
+        template = runtime.model.template
+        if not can_think(template.source):
+            raise CorralError(f"{self.path} does not support thinking")
+        opener = template.render([{"role": "user", "content": "?"}], think=self.think)
+        return ThinkingParser(opener.rstrip().endswith(OPEN))
 
     def _runtime_for(self, options: dict) -> Any:
         # A different context or batch size needs a runtime of that size (the server reloads for it); the

@@ -8,11 +8,12 @@ from typing import Any
 import attrs
 import click
 
-from corral.cli.backends import LocalChat, ServerChat
+from corral.cli.backends import LocalChat, ServerChat, ThinkingText
 from corral.cli.display import print_error, print_metrics, print_model_info
 from corral.client import ServerUnreachableError
 from corral.errors import CorralError
 from corral.options import InvalidOptionError, parse_option_text
+from corral.thinking import LEVELS
 
 
 @attrs.define
@@ -34,8 +35,18 @@ class ChatSession:
         """Send a user turn, echo the reply as it streams, and keep both in the history."""
         self.history.append({"role": "user", "content": text})
         pieces: list[str] = []
+        thinking = False
         try:
             for piece in self.backend.stream(self.messages(), self.options):
+                if isinstance(piece, ThinkingText):
+                    if not thinking:
+                        click.secho("Thinking...", dim=True)
+                    thinking = True
+                    click.secho(piece, nl=False, dim=True)
+                    continue
+                if thinking and piece:
+                    click.secho("\n...done thinking.\n", dim=True)
+                    thinking = False
                 pieces.append(piece)
                 click.echo(piece, nl=False)
         except BaseException:
@@ -65,6 +76,8 @@ SET_HELP = """Available Commands:
   /set system TEXT            Set the system message
   /set format json            Answer in JSON
   /set noformat               Answer in any format
+  /set think [low|medium|high] Think before answering (a level where the model takes one)
+  /set nothink                Answer without thinking
   /set verbose                Show timings after each answer
   /set quiet                  Do not show timings"""
 
@@ -167,6 +180,13 @@ def _set(session: ChatSession, args: list[str]) -> None:
     elif what in ("verbose", "quiet"):
         session.verbose = what == "verbose"
         click.echo("Set 'verbose' mode." if session.verbose else "Set 'quiet' mode.")
+    elif what in ("think", "nothink"):
+        level = rest.strip()
+        if what == "think" and level and level not in LEVELS:
+            click.echo(f"Couldn't set think: use /set think, or /set think {'|'.join(LEVELS)}")
+            return
+        session.backend.think = (level or True) if what == "think" else False
+        click.echo(f"Set 'think' mode{f' to {level}' if level else ''}." if what == "think" else "Set 'nothink' mode.")
     elif what in ("format", "noformat"):
         session.backend.format = "json" if what == "format" else None
         click.echo("Set format to 'json' mode." if what == "format" else "Disabled format.")

@@ -31,6 +31,7 @@ from corral.cli.display import (
 from corral.client import Client, modelfile_fields
 from corral.errors import CorralError
 from corral.options import parse_options
+from corral.thinking import LEVELS
 
 
 class CorralGroup(click.Group):
@@ -258,9 +259,11 @@ def plugins() -> None:
 @click.option("--format", "format_", default=None, help='Answer format: "json" or a JSON schema.')
 @click.option("--precision", type=click.Choice(["auto", "fp32"]), default="auto", show_default=True, help="In-process only.")
 @click.option("--verbose", is_flag=True, help="Print timings after each answer.")
+@click.option("--think", "think", default=None, is_flag=False, flag_value="true", metavar="[true|false|low|medium|high]",
+              help="Think before answering (--think=false: do not); a level where the model takes one.")
 def run(
     model: str, prompt: tuple[str, ...], temperature: float | None, num_predict: int | None, seed: int | None,
-    num_ctx: int | None, keepalive: str | None, format_: str | None, precision: str, verbose: bool,
+    num_ctx: int | None, keepalive: str | None, format_: str | None, precision: str, verbose: bool, think: str | None,
 ) -> None:  # fmt: skip
     """Answer PROMPT with MODEL (a name or a .gguf path); without PROMPT, chat interactively.
 
@@ -274,6 +277,7 @@ def run(
         text = sys.stdin.read().strip()  # piped input is the prompt, as with `ollama run`
     fmt = _parse_format(format_)
     backend = chat_backend(model, keepalive, fmt, precision, preload=text is None, num_ctx=num_ctx)
+    backend.think = _parse_think(think)
     with contextlib.closing(backend):
         session = ChatSession(backend, options=options, verbose=verbose)
         if text is not None:
@@ -285,6 +289,16 @@ def run(
 def stdin_is_interactive() -> bool:
     """Whether a person is typing (so `run` without a prompt starts a chat)."""
     return sys.stdin.isatty()
+
+
+def _parse_think(value: str | None) -> bool | str | None:
+    if value is None:
+        return None
+    if value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    if value in LEVELS:
+        return value
+    raise click.BadParameter(f"use true, false or one of {', '.join(LEVELS)}", param_hint="--think")
 
 
 def _parse_format(value: str | None) -> str | dict | None:

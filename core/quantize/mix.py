@@ -24,7 +24,7 @@ import re
 from collections.abc import Iterable
 
 import attrs
-from gguf import GGML_QUANT_SIZES
+from gguf import GGML_QUANT_SIZES, MODEL_ARCH, MODEL_ARCH_NAMES
 from gguf import GGMLQuantizationType as Q
 
 from corral.quantize.presets import Preset
@@ -59,7 +59,10 @@ class ModelShape:
         """llama.cpp's LLM_TYPE_70B, as its quantizer infers it (llama with 80 layers and GQA; qwen2 with 80)."""
         if self.block_count != 80:
             return False
-        return self.architecture == "qwen2" or (self.architecture == "llama" and self.head_count != self.head_count_kv)
+        # The file format's own architecture names (gguf-py's table, as llama.cpp's loader has them).
+        if self.architecture == MODEL_ARCH_NAMES[MODEL_ARCH.QWEN2]:
+            return True
+        return self.architecture == MODEL_ARCH_NAMES[MODEL_ARCH.LLAMA] and self.head_count != self.head_count_kv
 
 
 @attrs.frozen

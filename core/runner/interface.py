@@ -164,8 +164,9 @@ class Runner(Protocol):
         logprobs: bool = False,
         top_logprobs: int = 0,
         format: str | dict | None = None,
+        think: bool | str | None = None,
     ) -> contextlib.AbstractAsyncContextManager[Stream]:
-        """Stream the assistant's reply to `messages`."""
+        """Stream the assistant's reply to `messages` (`think`: the template's thinking switch; None: its default)."""
 
     async def tokenize(self, text: str, add_special: bool = True) -> list[int]:
         """Token ids of `text`."""

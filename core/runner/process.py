@@ -271,10 +271,11 @@ class RunnerProcess:
         logprobs: bool = False,
         top_logprobs: int = 0,
         format: str | dict | None = None,
+        think: bool | str | None = None,
     ) -> contextlib.AbstractAsyncContextManager[Stream]:
         """Stream the assistant's reply to `messages`, as `Runtime.chat` does."""
         args = dict(messages=messages, options=options, tools=tools, shift=shift, logprobs=logprobs,
-                    top_logprobs=top_logprobs, format=format)
+                    top_logprobs=top_logprobs, format=format, think=think)
         return self._stream("chat", args)
 
     async def tokenize(self, text: str, add_special: bool = True) -> list[int]:

@@ -239,8 +239,11 @@ class Runtime:
         logprobs: bool = False,
         top_logprobs: int = 0,
         format: str | dict | None = None,
+        think: bool | str | None = None,
     ) -> contextlib.AbstractAsyncContextManager[Stream]:
         """Stream the assistant's reply to `messages`; the oldest turns are dropped if they do not fit.
+
+        `think` (true/false or an effort level; None: the template's default) sets the template's thinking switch.
 
         `format` ("json" or a JSON-schema object) constrains the reply to one such JSON value.
         """
@@ -248,7 +251,7 @@ class Runtime:
         grammar = compile_format(format)
         num_ctx = self._num_ctx(opts)
         return self._stream(
-            lambda: self._fit_messages(messages, num_ctx, tools), opts, shift, logprobs, top_logprobs, grammar
+            lambda: self._fit_messages(messages, num_ctx, tools, think), opts, shift, logprobs, top_logprobs, grammar
         )
 
     async def tokenize(self, text: str, add_special: bool = True) -> list[int]:
@@ -291,16 +294,16 @@ class Runtime:
         framing = self.model.tokenize("")
         return framing[1:] if self.model.tokenizer.add_bos and framing else framing
 
-    def _fit_messages(self, messages: list[dict], num_ctx: int, tools: list[dict] | None = None) -> list[int]:
+    def _fit_messages(self, messages: list[dict], num_ctx: int, tools: list[dict] | None = None, think: bool | str | None = None) -> list[int]:
         # Drop the oldest turns (never a system message, never the last one) until the prompt fits.
         messages = list(messages)
-        ids = self.model.chat_ids(messages, tools)
+        ids = self.model.chat_ids(messages, tools, think)
         while len(ids) > num_ctx:
             droppable = [i for i, m in enumerate(messages[:-1]) if m.get("role") != "system"]
             if not droppable:
                 break
             del messages[droppable[0]]
-            ids = self.model.chat_ids(messages, tools)
+            ids = self.model.chat_ids(messages, tools, think)
         return ids
 
     @contextlib.asynccontextmanager

@@ -17,6 +17,8 @@ from corral.server.http import ApiError, field, ndjson_response, now_rfc3339, re
 from corral.server.state import state
 from corral.gotemplate import OllamaTemplate
 from corral.template import ChatTemplate, renders_suffix
+from corral.thinking import parse_think
+from corral.toolcalls import ToolChoice, parse_tools
 
 bp = quart.Blueprint("ollama", __name__)
 
@@ -86,18 +88,24 @@ async def _respond(req: dict, chunks: AsyncIterator[dict], text_key: tuple[str, 
     if req["stream"]:
         return ndjson_response(chunks, _error_line)
     # Not streaming: one object with the text concatenated and the final metrics.
-    text, logprobs, final = [], [], {}
+    text, logprobs, tool_calls, thinking, final = [], [], [], [], {}
     async for item in chunks:
         node = item
         for key in text_key[:-1]:
             node = node.get(key, {})
         text.append(node.get(text_key[-1], ""))
+        tool_calls += node.get("tool_calls", [])
+        thinking.append(node.get("thinking", ""))
         logprobs += item.get("logprobs", [])
         final = item
     node = final
     for key in text_key[:-1]:
         node = node.setdefault(key, {})
     node[text_key[-1]] = "".join(text)
+    if tool_calls:
+        node["tool_calls"] = tool_calls
+    if "".join(thinking):
+        node["thinking"] = "".join(thinking)
     if req["logprobs"]:
         final["logprobs"] = logprobs
     return final
@@ -147,6 +155,8 @@ async def generate():
         raise ApiError(400, "raw mode does not support template, system, or context")
     template = field(body, "template", str, None)
     suffix = field(body, "suffix", str, "")
+    if parse_think(body.get("think")):
+        raise ApiError(400, "think is supported on /api/chat; /api/generate does not split thinking yet")
     state().scheduler.resolve(req["model"])
     base = {"model": req["model"], "created_at": now_rfc3339(), "response": ""}
     if not prompt and not body.get("images"):
@@ -187,22 +197,43 @@ async def chat():
     base = {"model": req["model"], "created_at": now_rfc3339(), "message": {"role": "assistant", "content": ""}}
     if not messages:
         return await _load_or_unload(req, base)
-    tools = field(body, "tools", list, None)
-    if tools:
-        await trio.to_thread.run_sync(state().require_capability, req["model"], "tools")
+    tools = parse_tools(body.get("tools"))  # a bad shape is a ToolCallError: 400
+    think = parse_think(body.get("think"))
+    plan = await trio.to_thread.run_sync(generation.plan_tools, req["model"], tools, ToolChoice()) if tools else None
+    thinking = await trio.to_thread.run_sync(generation.plan_thinking, req["model"], think, False) if think is not None else None
+    calls = _CallCounter()
 
     def start(run: generation.Prepared):
-        return run.runtime.chat(
-            run.chat_messages(messages), run.options, tools=tools, shift=req["shift"], logprobs=req["logprobs"],
-            top_logprobs=req["top_logprobs"], format=req["format"],
+        stream = run.runtime.chat(
+            generation.with_reasoning(run.chat_messages(messages)), run.options, tools=tools or None, shift=req["shift"],
+            logprobs=req["logprobs"], top_logprobs=req["top_logprobs"],
+            format=req["format"] if req["format"] or plan is None else plan.format, **({} if think is None else {"think": think}),
         )
+        return generation.parsed_stream(stream, generation.reply_parser(plan, thinking))
 
     def chunk_obj(chunk: Chunk) -> dict:
-        out = {"model": req["model"], "created_at": now_rfc3339(), "message": {"role": "assistant", "content": chunk.text}, "done": False}
+        message = {"role": "assistant", "content": chunk.text} | calls.shape(getattr(chunk, "tool_calls", ()))
+        if getattr(chunk, "thinking", ""):
+            message["thinking"] = chunk.thinking
+        out = {"model": req["model"], "created_at": now_rfc3339(), "message": message, "done": False}
         return out | ({"logprobs": _logprobs(chunk)} if chunk.logprobs else {})
 
     def final_obj(chunk: Chunk) -> dict:
         return {"model": req["model"], "created_at": now_rfc3339(), "message": {"role": "assistant", "content": ""}, "done": True}
 
     return await _respond(req, _run(req, start, chunk_obj, final_obj), ("message", "content"))
+
+
+class _CallCounter:
+    """Numbers a turn's tool calls in Ollama's shape (`function.index` counts calls across the stream)."""
+
+    def __init__(self):
+        self.count = 0
+
+    def shape(self, calls) -> dict:
+        if not calls:
+            return {}
+        shaped = [call.ollama(self.count + i) for i, call in enumerate(calls)]
+        self.count += len(calls)
+        return {"tool_calls": shaped}
 

@@ -25,6 +25,7 @@ from corral.server import generation
 from corral.server.http import ApiError, field, read_json, sse_response
 from corral.server.state import state
 from corral.store import parse_name
+from corral.toolcalls import parse_tool_choice, parse_tools
 
 bp = quart.Blueprint("openai", __name__)
 
@@ -169,6 +170,33 @@ def _message(message: Any) -> dict:
     return out
 
 
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
+
+
+def _reasoning_effort(body: dict) -> bool | str | None:
+    """`reasoning_effort` as a think value: "none" is no thinking, "minimal" the lowest level; absent is None."""
+    effort = field(body, "reasoning_effort", str)
+    if effort is None:
+        return None
+    if effort not in REASONING_EFFORTS:
+        raise ApiError(400, f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}, got {effort!r}")
+    return False if effort == "none" else "low" if effort == "minimal" else effort
+
+
+def _name_tool_results(messages: list[dict]) -> list[dict]:
+    """Tool results named after the call they answer (OpenAI sends only `tool_call_id`; templates print the
+    function's name, which Ollama calls `tool_name`)."""
+    names = {}
+    for message in messages:
+        for call in message.get("tool_calls") or ():
+            if isinstance(call.get("id"), str):
+                names[call["id"]] = call["function"].get("name")
+        if message["role"] == "tool" and names.get(message.get("tool_call_id")):
+            message.setdefault("name", names[message["tool_call_id"]])
+            message.setdefault("tool_name", names[message["tool_call_id"]])
+    return messages
+
+
 def _response_format(body: dict) -> str | dict | None:
     """`response_format` as a runtime format: None (text), "json" (json_object) or the json_schema's schema."""
     response_format = field(body, "response_format", dict)
@@ -206,45 +234,68 @@ async def chat_completions():
     messages = field(body, "messages", list, required=True)
     if not messages:
         raise ApiError(400, "messages must hold at least one message")
-    messages = [_message(message) for message in messages]
+    messages = _name_tool_results([_message(message) for message in messages])
     response_format = _response_format(body)
-    tools = field(body, "tools", list)
+    tools = parse_tools(field(body, "tools", list))
+    choice = parse_tool_choice(body.get("tool_choice"), tools)
+    parallel = field(body, "parallel_tool_calls", bool, True)
+    think = _reasoning_effort(body)
     logprobs = field(body, "logprobs", bool, False)
     top_logprobs = _integer(body, "top_logprobs", 0, MAX_TOP_LOGPROBS, 0)
     if top_logprobs and not logprobs:
         raise ApiError(400, "top_logprobs requires logprobs to be true")
     req = _request(body, _common(body, None), logprobs, top_logprobs)
     state().scheduler.resolve(model)  # unknown model: 404 before anything loads
-    if tools:
-        await trio.to_thread.run_sync(state().require_capability, model, "tools")
+    plan = await trio.to_thread.run_sync(generation.plan_tools, model, tools, choice, parallel) if tools else None
+    thinking = await trio.to_thread.run_sync(generation.plan_thinking, model, think, True)
+    if plan is not None and choice.forces and response_format is not None:
+        raise ApiError(400, "a forced tool call (tool_choice) cannot be combined with response_format")
 
     def start(run: generation.Prepared):
-        return run.runtime.chat(
-            run.chat_messages(messages), run.options, tools=tools, logprobs=req.logprobs, top_logprobs=req.top_logprobs,
-            format=response_format,
+        stream = run.runtime.chat(
+            generation.with_reasoning(run.chat_messages(messages)), run.options, tools=tools or None, logprobs=req.logprobs,
+            top_logprobs=req.top_logprobs, format=response_format if response_format is not None or plan is None else plan.format,
+            **({} if think is None else {"think": think}),
         )
+        return generation.parsed_stream(stream, generation.reply_parser(plan, thinking))
 
     chunks = await _started(req, start)
     reply = {"id": f"chatcmpl-{secrets.token_hex(12)}", "created": int(time.time()), "model": req.model, "system_fingerprint": FINGERPRINT}
     if req.stream:
-        return sse_response(_chat_events(req, reply, chunks), _error_event)
-    text, token_logprobs, final = [], [], None
+        return sse_response(_chat_events(req, reply, chunks, parallel), _error_event)
+    text, token_logprobs, calls, reasoning, final = [], [], [], [], None
     async for chunk in chunks:
         text.append(chunk.text)
+        reasoning.append(getattr(chunk, "thinking", ""))
         token_logprobs += _chat_logprobs(chunk.logprobs)
+        calls += getattr(chunk, "tool_calls", ())
         final = chunk
+    calls = calls if parallel else calls[:1]
+    message = {"role": "assistant", "content": "".join(text) or (None if calls else "")}
+    if "".join(reasoning):
+        message["reasoning_content"] = "".join(reasoning)
+    if calls:
+        message["tool_calls"] = [{key: value for key, value in call.openai(i).items() if key != "index"} for i, call in enumerate(calls)]
     choice = {
         "index": 0,
-        "message": {"role": "assistant", "content": "".join(text)},
+        "message": message,
         "logprobs": {"content": token_logprobs, "refusal": None} if req.logprobs else None,
-        "finish_reason": _finish_reason(final),
+        "finish_reason": "tool_calls" if calls else _finish_reason(final),
     }
     return {**reply, "object": "chat.completion", "choices": [choice], "usage": _usage(final)}
 
 
-async def _chat_events(req: Completion, reply: dict, chunks: AsyncIterator[Chunk]) -> AsyncIterator[dict]:
+def _tool_call_deltas(call, index: int) -> list[dict]:
+    """A completed call as vLLM streams one: its index, id, type and name first, then the arguments."""
+    shaped = call.openai(index)
+    head = {**shaped, "function": {"name": shaped["function"]["name"], "arguments": ""}}
+    return [{"tool_calls": [head]}, {"tool_calls": [{"index": index, "function": {"arguments": shaped["function"]["arguments"]}}]}]
+
+
+async def _chat_events(req: Completion, reply: dict, chunks: AsyncIterator[Chunk], parallel: bool = True) -> AsyncIterator[dict]:
     base = {**reply, "object": "chat.completion.chunk"}
     usage = {"usage": None} if req.include_usage else {}
+    calls = 0
 
     def event(delta: dict, finish_reason: str | None = None, logprobs: dict | None = None) -> dict:
         return {**base, "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}], **usage}
@@ -253,12 +304,21 @@ async def _chat_events(req: Completion, reply: dict, chunks: AsyncIterator[Chunk
         yield event({"role": "assistant", "content": ""})
         async for chunk in chunks:
             if chunk.done:
-                yield event({}, _finish_reason(chunk))
+                yield event({}, "tool_calls" if calls else _finish_reason(chunk))
                 if req.include_usage:
                     yield {**base, "choices": [], "usage": _usage(chunk)}
-            elif chunk.text or (req.logprobs and chunk.logprobs):
+                continue
+            if getattr(chunk, "thinking", ""):
+                yield event({"reasoning_content": chunk.thinking})
+            if chunk.text or (req.logprobs and chunk.logprobs):
                 logprobs = {"content": _chat_logprobs(chunk.logprobs), "refusal": None} if req.logprobs else None
                 yield event({"content": chunk.text}, logprobs=logprobs)
+            for call in getattr(chunk, "tool_calls", ()):
+                if calls and not parallel:
+                    break
+                for delta in _tool_call_deltas(call, calls):
+                    yield event(delta)
+                calls += 1
 
 
 # --- /v1/completions ------------------------------------------------------------------------------

@@ -68,7 +68,7 @@ _MODEL_ENTRY = _object(
 _PROGRESS = _object({"status": _STR, "digest": _STR, "total": _INT, "completed": _INT, "error": _STR})
 _OPENAI_MESSAGE = _object(
     {"role": _STR, "content": {"type": ["string", "array", "null"]}, "name": _STR, "tool_calls": _array({"type": "object"}),
-     "tool_call_id": _STR},
+     "tool_call_id": _STR, "reasoning_content": _STR},
     ("role",),
 )
 _OPENAI_SAMPLING = {
@@ -167,6 +167,7 @@ SCHEMAS: dict[str, dict] = {
     "ChatCompletionRequest": _object(
         _OPENAI_SAMPLING
         | {"messages": _array(_ref("OpenAIMessage")), "tools": _array({"type": "object"}), "tool_choice": {},
+           "parallel_tool_calls": _BOOL, "reasoning_effort": {"enum": ["none", "minimal", "low", "medium", "high"]},
            "response_format": {"type": "object"}, "n": _INT},
         ("model", "messages"),
     ),

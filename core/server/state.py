@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import attrs
@@ -14,6 +15,7 @@ from corral.scheduler import Scheduler
 from corral.server.http import ApiError
 from corral.store import Store
 from corral.template import renders_suffix, renders_tools
+from corral.thinking import can_think
 
 
 @attrs.define
@@ -42,13 +44,32 @@ def state() -> ServerState:
 
 
 def model_capabilities(store: Store, name: str) -> list[str]:
-    """What a model can do: "embedding" for a model whose file names a pooling (as Ollama decides); otherwise
-    "completion", "tools" when its chat template renders tools, "insert" when it renders a suffix."""
-    gguf = GGUFFile.open(store.model_path(name))
-    if gguf.get(f"{gguf.architecture}.pooling_type", 0):
+    """What a model can do: "embedding" alone for a model whose file names a pooling (as Ollama decides);
+    otherwise "completion", "tools" when its chat template renders tools, "insert" when it renders a
+    suffix, "thinking" when it has a thinking switch or markers."""
+    if _file_pools(str(store.model_path(name))):
         return ["embedding"]
-    template = model_defaults(store, name).template or gguf.get("tokenizer.chat_template", "")
-    return ["completion"] + (["tools"] if renders_tools(template) else []) + (["insert"] if renders_suffix(template) else [])
+    template = model_template_source(store, name)
+    return (["completion"] + (["tools"] if renders_tools(template) else []) + (["insert"] if renders_suffix(template) else [])
+            + (["thinking"] if can_think(template) else []))
+
+
+def model_template_source(store: Store, name: str) -> str:
+    """The model's chat template: its Modelfile TEMPLATE, else its file's."""
+    return model_defaults(store, name).template or _file_template(str(store.model_path(name)))
+
+
+@functools.lru_cache(maxsize=64)
+def _file_template(blob: str) -> str:
+    # Blobs are named by their digest, so a path's template never changes; opening a GGUF costs a few hundred ms.
+    return GGUFFile.open(blob).get("tokenizer.chat_template", "")
+
+
+@functools.lru_cache(maxsize=64)
+def _file_pools(blob: str) -> bool:
+    # Whether the file names a pooling (`<arch>.pooling_type`): an embedding model. Cached like the template.
+    gguf = GGUFFile.open(blob)
+    return bool(gguf.get(f"{gguf.architecture}.pooling_type", 0))
 
 
 def describe_gguf(path: Any) -> dict:
