@@ -177,3 +177,23 @@ async def test_ollama_sampler_options_are_taken_and_checked(tiny_server):
     assert reply.eval_count > 0
     error = await in_thread(ollama_error, lambda: client.generate(TINY_LLAMA, "Hi", options={"xtc_probability": -1}))
     assert error.status_code == 400 and "option 'xtc_probability' must be >= 0.0" in error.error
+
+
+# -- /openapi.json ---------------------------------------------------------------------------------
+
+
+async def test_openapi_describes_the_sampler_options_and_extras_and_not_the_refused_fields(tiny_server):
+    from corral.registry import Plugins
+    from corral.sample import SamplerChain
+    from corral.server.openai import PASSED_OPTIONS, UNSUPPORTED
+
+    async with httpx.AsyncClient(base_url=tiny_server) as http:
+        schemas = (await http.get("/openapi.json")).json()["components"]["schemas"]
+    declared = set(SamplerChain(Plugins()).fields)
+    assert declared <= set(schemas["Options"]["properties"])
+    for request in ("ChatCompletionRequest", "CompletionRequest"):
+        fields = schemas[request]["properties"]
+        assert set(PASSED_OPTIONS) | {"repetition_penalty", "logit_bias"} <= set(fields)
+        refused = {name for name, (harmless, _) in UNSUPPORTED.items() if harmless in (None, False, [])}
+        assert not refused & set(fields), refused & set(fields)
+    assert schemas["GenerateRequest"]["properties"]["truncate"]["const"] is True
