@@ -16,11 +16,19 @@ A step is a class registered through the `register_samplers` hook:
 `apply` only ever sees the rows for which `active` is true, and is skipped when no row needs it; it
 may modify `logits` in place. A step that depends on a sequence's state rather than its options defines
 `active_for(sampler)` instead (the grammar step: does the row's `SequenceSampler` carry a matcher?).
-The built-in steps (plugins/samplers/standard.py) run in this order:
+The built-in steps (plugins/samplers/) run in this order:
 
-    10 penalties   20 top_k   30 temperature   35 typical_p   40 top_p   50 min_p   -> softmax, draw
+     0 grammar   5 logit_bias   10 penalties   15 dry   20 top_k   30 temperature   35 typical_p
+    40 top_p    50 min_p        55 xtc         60 mirostat                        -> softmax, draw
 
-and the grammar step (plugins/samplers/grammar.py, order 0) masks a constrained row before all of them.
+The grammar step masks a constrained row before all of them, but it is deferred (see `sample`): a draw
+it allows needs no mask. Mirostat, when on, replaces the truncating steps (top_k ... xtc) as in llama.cpp.
+
+Per-sequence state: a step may define `window(options, num_ctx)` (how many recent tokens it reads),
+`prepare(sampler, tokenizer)` (run once when the sequence starts: `SamplerChain.start`), and
+`observe(final, ids, tokens, params)` (told the token each of its rows drew, to update state such as
+mirostat's mu, kept in `SequenceSampler.state`). A step's random numbers come from the sequence's own
+generator, `sampler.uniform(purpose)`, one per purpose per token.
 
 Top-k, temperature, top-p and min-p follow Ollama's order, so the probability filters see the
 distribution that is actually drawn from. Every step except penalties is inactive at temperature 0,

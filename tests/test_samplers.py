@@ -368,3 +368,22 @@ def test_a_rejected_draw_is_drawn_again_under_the_mask_for_its_row_only(chain, s
         assert tokens[row] != word and smollm2_tokenizer.token_bytes(tokens[row]).lstrip().startswith(b"{")
     # The greedy constrained row gets the argmax of the masked logits, as if the mask had come first.
     assert tokens[0] == int(mask_logits(logits[:1].clone(), [json_matcher(smollm2_tokenizer)]).argmax())
+
+
+# -- corral bench --format -------------------------------------------------------------------------
+
+
+def test_bench_format_compares_constrained_with_free_decoding(smollm2_path):
+    import json
+
+    from click.testing import CliRunner
+
+    from corral.cli import main
+
+    args = ["bench", "smollm2", "--format", "json", "--gen-tokens", "3", "--rounds", "1", "--concurrency", "2", "--json"]
+    result = CliRunner().invoke(main, args, catch_exceptions=False)
+    figures = json.loads(result.output)
+    assert figures["format"] == "json" and set(figures) >= {"batch_2"}
+    batch = figures["batch_2"]
+    assert batch["unconstrained_tok_s"] > 0 and batch["constrained_tok_s"] > 0
+    assert batch["ratio"] == pytest.approx(batch["constrained_tok_s"] / batch["unconstrained_tok_s"])
