@@ -327,7 +327,8 @@ class SamplerChain:
         for (_name, step), rows in zip(self.steps, active):
             rows = [row for row in rows if row not in skip]
             if rows and hasattr(step, "observe"):
-                step.observe(_rows(final, rows), None if ids is None else _rows(ids, rows), tokens[_index(rows, tokens)], params.select(rows))
+                candidates = None if ids is None else _rows(ids, rows)
+                step.observe(_rows(final, rows), candidates, tokens[_index(rows, tokens)], params.select(rows))
 
     def _draw(self, final: torch.Tensor, ids: torch.Tensor | None, seqs: Sequence[SequenceSampler]) -> torch.Tensor:
         """Each row's token: the argmax for greedy rows, else the inverse CDF at the row's own uniform number."""

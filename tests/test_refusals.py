@@ -97,7 +97,9 @@ async def test_openai_fields_corral_does_not_do_are_refused(tiny_server, field, 
 
 
 async def test_openai_harmless_values_of_those_fields_pass(tiny_server):
-    response = await post(tiny_server, "/v1/chat/completions", model=TINY_LLAMA, messages=HI, max_tokens=2, modalities=["text"], min_tokens=0)
+    response = await post(
+        tiny_server, "/v1/chat/completions", model=TINY_LLAMA, messages=HI, max_tokens=2, modalities=["text"], min_tokens=0
+    )
     assert response.status_code == 200
 
 
@@ -123,7 +125,8 @@ async def test_openai_suffix_fills_in_the_middle_through_the_template(tiny_serve
     rendered = "<PRE> def f( <SUF>return x <MID>"
     tokens = (await post(tiny_server, "/api/tokenize", model="fim", content=rendered, add_special=False)).json()["tokens"]
     assert reply.usage.prompt_tokens == len(tokens)
-    ollama_reply = await in_thread(lambda: client.generate("fim", "def f(", suffix="return x", options={"temperature": 0, "num_predict": 4}))
+    options = {"temperature": 0, "num_predict": 4}
+    ollama_reply = await in_thread(lambda: client.generate("fim", "def f(", suffix="return x", options=options))
     assert reply.choices[0].text == ollama_reply.response
 
 
@@ -133,7 +136,9 @@ async def test_openai_suffix_fills_in_the_middle_through_the_template(tiny_serve
 async def test_openai_logit_bias_steers_the_tokens(tiny_server):
     chosen = 100
     reply = await in_thread(
-        lambda: oai(tiny_server).completions.create(model=TINY_LLAMA, prompt="Hi", max_tokens=3, temperature=0, logit_bias={str(chosen): 100})
+        lambda: oai(tiny_server).completions.create(
+            model=TINY_LLAMA, prompt="Hi", max_tokens=3, temperature=0, logit_bias={str(chosen): 100}
+        )
     )
     expected = (await post(tiny_server, "/api/detokenize", model=TINY_LLAMA, tokens=[chosen] * 3)).json()["content"]
     assert reply.choices[0].text == expected and reply.usage.completion_tokens == 3
@@ -141,7 +146,9 @@ async def test_openai_logit_bias_steers_the_tokens(tiny_server):
 
 async def test_openai_vllm_extras_are_taken(tiny_server):
     def ask(**extra):
-        return oai(tiny_server).chat.completions.create(model=TINY_LLAMA, messages=HI, max_tokens=6, temperature=1.5, seed=3, extra_body=extra)
+        return oai(tiny_server).chat.completions.create(
+            model=TINY_LLAMA, messages=HI, max_tokens=6, temperature=1.5, seed=3, extra_body=extra
+        )
 
     greedy = await in_thread(lambda: oai(tiny_server).chat.completions.create(model=TINY_LLAMA, messages=HI, max_tokens=6, temperature=0))
     # top_k 1 leaves one candidate: hot sampling gives the greedy text.

@@ -151,7 +151,8 @@ def dry_reference(logits: np.ndarray, context: list[int], multiplier, base, allo
     limit = n
     for distance in range(n):  # the nearest breaker from the end
         head = window[n - 1 - distance]
-        matches = [len(t) for t in breakers.tails.get(head, ()) if len(t) <= distance and tuple(window[n - distance : n - distance + len(t)]) == t]
+        tails = breakers.tails.get(head, ())
+        matches = [len(t) for t in tails if len(t) <= distance and tuple(window[n - distance : n - distance + len(t)]) == t]
         if matches:
             limit = distance - max(matches)
             break
@@ -179,8 +180,10 @@ def test_dry_matches_the_direct_computation_on_repetitive_contexts(chain):
     breakers = dry.Breakers.of_tokens([[7], [8, 9]])
     for trial in range(30):
         phrase = list(rng.integers(0, 12, size=rng.integers(2, 6)))
-        context = [int(t) for t in (list(rng.integers(0, 12, size=5)) + phrase * int(rng.integers(1, 4)) + list(rng.integers(0, 12, size=3)) + phrase)]
-        options = {"dry_multiplier": 0.8, "dry_base": 1.75, "dry_allowed_length": int(rng.integers(0, 4)), "dry_penalty_last_n": int(rng.choice([-1, 8, 20]))}
+        noise = list(rng.integers(0, 12, size=5)), list(rng.integers(0, 12, size=3))
+        context = [int(t) for t in noise[0] + phrase * int(rng.integers(1, 4)) + noise[1] + phrase]
+        options = {"dry_multiplier": 0.8, "dry_base": 1.75, "dry_allowed_length": int(rng.integers(0, 4)),
+                   "dry_penalty_last_n": int(rng.choice([-1, 8, 20]))}  # fmt: skip
         logits = rng.normal(size=(1, 16)).astype(np.float32)
         seq = start(chain, context, **options)
         seq.state[dry.STATE] = breakers

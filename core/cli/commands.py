@@ -305,11 +305,15 @@ def _parse_format(value: str | None) -> str | dict | None:
 @click.option("--gen-tokens", type=int, default=128, show_default=True)
 @click.option("--precision", type=click.Choice(["auto", "fp32"]), default="auto", show_default=True)
 @click.option("--concurrency", type=int, default=None, help="Run N parallel streams through the runtime instead.")
-@click.option("--format", "format_", default=None, help='Compare constrained decoding ("json" or a JSON schema) with free decoding, at batch 1 and 8 (or --concurrency).')
+@click.option(
+    "--format", "format_", default=None,
+    help='Compare constrained decoding ("json" or a JSON schema) with free decoding, at batch 1 and 8 (or --concurrency).',
+)
 @click.option("--rounds", type=int, default=3, show_default=True, help="With --format: alternating rounds per condition.")
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
 def bench(
-    model: str, prompt_tokens: int, gen_tokens: int, precision: str, concurrency: int | None, format_: str | None, rounds: int, as_json: bool
+    model: str, prompt_tokens: int, gen_tokens: int, precision: str, concurrency: int | None, format_: str | None, rounds: int,
+    as_json: bool,
 ) -> None:
     """Measure load time, prefill and decode tokens/s (batch 1) and memory; or N concurrent streams; or --format's cost."""
     from corral.bench import run_bench, run_concurrency_bench, run_format_bench

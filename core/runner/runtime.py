@@ -319,7 +319,8 @@ class Runtime:
         ids = truncate_prompt(ids, num_ctx, num_keep)
         num_predict, shift = (-1, False) if opts.num_predict == -2 else (opts.num_predict, shift)  # -2: fill the context
         # The steps active for it prepare their state first (DRY reads the vocabulary once per model): off the loop.
-        sampler = await trio.to_thread.run_sync(functools.partial(self.chain.start, opts, ids, num_ctx, grammar=matcher, tokenizer=self.model.tokenizer))
+        start = functools.partial(self.chain.start, opts, ids, num_ctx, grammar=matcher, tokenizer=self.model.tokenizer)
+        sampler = await trio.to_thread.run_sync(start)
         slot, reused = await self.slots.acquire(ids, self._reusable)
         request.slot = slot
         self.cache.remove(slot, reused)

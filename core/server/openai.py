@@ -194,7 +194,9 @@ def _text_content(content: Any) -> str:
         if part["type"] in IMAGE_PARTS:
             continue  # refused for the model once it is known (chat_completions), unless it can see
         if part["type"] != "text":
-            raise ApiError(400, f"content parts of type {part['type']!r} are not supported: corral takes text (and images for a model that can see)")
+            raise ApiError(
+                400, f"content parts of type {part['type']!r} are not supported: corral takes text (and images for a model that can see)"
+            )
         if not isinstance(part.get("text"), str):
             raise ApiError(400, "a text content part needs a string text")
         texts.append(part["text"])

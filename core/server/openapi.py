@@ -85,7 +85,8 @@ _PROGRESS = _object({"status": _STR, "digest": _STR, "total": _INT, "completed":
 _OPENAI_MESSAGE = _object(
     {"role": _STR,
      "content": {"type": ["string", "array", "null"],
-                 "description": "A string or text parts; image parts are refused with 400 unless the model can see"}, "name": _STR, "tool_calls": _array({"type": "object"}),
+                 "description": "A string or text parts; image parts are refused with 400 unless the model can see"},
+     "name": _STR, "tool_calls": _array({"type": "object"}),
      "tool_call_id": _STR},
     ("role",),
 )
