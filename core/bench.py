@@ -112,3 +112,56 @@ def run_concurrency_bench(name: str, concurrency: int, prompt_tokens: int = 128,
             }
 
     return trio.run(main)
+
+
+FORMAT_PROMPT = "List ten planets of science fiction as a JSON object with their names, sizes and a long description of each."
+
+
+def run_format_bench(
+    name: str, format: str | dict = "json", batches: tuple[int, ...] = (1, 8), gen_tokens: int = 128, rounds: int = 3,
+    precision: str = "auto",
+) -> dict:
+    """Decode tokens/s with and without a `format` (constrained decoding), at each batch size, through the runtime.
+
+    Rounds alternate the two conditions (and their order), so a shared machine's drift hits both alike; the
+    figures are each condition's median over the rounds. A stream's decode rate is its eval_count over its
+    eval_duration; a batch's is the sum over its streams. Every stream samples with Ollama's default options
+    (seeded), so the grammar's fast path sees real draws; unconstrained streams ignore end-of-generation."""
+    import statistics
+
+    import trio
+
+    from corral.runner.runtime import Runtime
+
+    async def one_batch(rt: Runtime, batch: int, constrained: bool) -> float:
+        rates: list[float] = []
+
+        async def stream(i: int) -> None:
+            options = {"num_predict": gen_tokens, "seed": i, "ignore_eos": not constrained}
+            async with rt.generate(FORMAT_PROMPT, options=options, format=format if constrained else None) as chunks:
+                _, final = await chunks.collect()
+            if final.eval_duration > 0:
+                rates.append(final.eval_count / (final.eval_duration / 1e9))
+
+        async with trio.open_nursery() as nursery:
+            for i in range(batch):
+                nursery.start_soon(stream, i)
+        return sum(rates)
+
+    async def main() -> dict:
+        figures: dict = {"model": name, "format": format, "gen_tokens": gen_tokens, "rounds": rounds}
+        async with Runtime.open(name, num_parallel=max(batches), num_ctx=512 + gen_tokens, precision=precision) as rt:
+            await one_batch(rt, 1, True)  # warm up: the llguidance tokenizer, kernels
+            for batch in batches:
+                free, constrained = [], []
+                for round_ in range(rounds):
+                    for is_constrained in (False, True) if round_ % 2 == 0 else (True, False):
+                        (constrained if is_constrained else free).append(await one_batch(rt, batch, is_constrained))
+                figures[f"batch_{batch}"] = {
+                    "unconstrained_tok_s": statistics.median(free),
+                    "constrained_tok_s": statistics.median(constrained),
+                    "ratio": statistics.median(constrained) / statistics.median(free),
+                }
+        return figures
+
+    return trio.run(main)

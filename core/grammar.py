@@ -5,7 +5,8 @@
     mask_logits(logits, [matcher, ...])            # each row keeps only the tokens its grammar allows next
     matcher.accept(token); matcher.complete        # complete: the grammar admits no further token
 
-The grammar sampler step (plugins/samplers/grammar.py) calls `mask_logits`; the sequence's sampler feeds
+The grammar sampler step (plugins/samplers/grammar.py) checks a drawn token with `allows` first and calls
+`mask_logits` only when it is rejected (the chain's fast path, corral.sample); the sequence's sampler feeds
 its matcher every accepted token, and the batching actor ends the sequence ("stop") once it is complete,
 so the output is exactly one JSON value. End-of-generation tokens are allowed only where the grammar
 could stop. Masks are computed by llguidance on CPU (all rows in parallel) and applied on the logits' device.
@@ -130,6 +131,10 @@ class GrammarMatcher:
         if matcher.is_error():
             raise InvalidFormatError(f"format is not a JSON schema corral can enforce: {matcher.get_error()}")
         return cls(matcher, lltok.vocab_size)
+
+    def allows(self, token: int) -> bool:
+        """Whether the grammar allows `token` next (one token checked, no mask computed; nothing consumed)."""
+        return self.matcher.validate_tokens([token]) == 1
 
     def accept(self, token: int) -> None:
         """Advance past a sampled token."""

@@ -71,6 +71,11 @@ class Options:
     presence_penalty: float = option(0.0, float)
     frequency_penalty: float = option(0.0, float)
     seed: int = option(-1, int)  # negative: random
+    # Mirostat (llama.cpp's algorithms, plugins/samplers/mirostat.py): 0 off, 1 or 2 the version. It replaces the
+    # truncating steps (top_k, typical_p, top_p, min_p, xtc) with its own, steered to a target surprise tau.
+    mirostat: int = option(0, int, Check(0, 2))
+    mirostat_tau: float = option(5.0, float, Check(0.0))
+    mirostat_eta: float = option(0.1, float, Check(0.0))
     ignore_eos: bool = option(False, bool)  # generate past end-of-generation tokens (llama.cpp's, vLLM's; for benchmarks)
     extra: dict[str, Any] = attrs.field(factory=dict)
 
@@ -84,15 +89,16 @@ class Options:
 STANDARD_OPTIONS = {field.name: field for field in attrs.fields(Options) if field.name != "extra"}
 
 
-def parse_options(raw: dict | None, extra_fields: dict[str, tuple[type, Any]] | None = None) -> Options:
-    """Validate a request's `options` object into `Options`; `extra_fields` are the samplers' own options."""
+def parse_options(raw: dict | None, extra_fields: dict[str, tuple] | None = None) -> Options:
+    """Validate a request's `options` object into `Options`; `extra_fields` are the samplers' own options,
+    each `(kind, default)` or `(kind, default, Check)`."""
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
         raise InvalidOptionError(f"options must be an object mapping option names to values, got {_show(raw)}")
     extra_fields = {name: spec for name, spec in (extra_fields or {}).items() if name not in STANDARD_OPTIONS}
     values: dict[str, Any] = {}
-    extra = {name: default for name, (_kind, default) in extra_fields.items()}
+    extra = {name: spec[1] for name, spec in extra_fields.items()}
     for name, value in raw.items():
         if value is None:  # JSON null: the default, as if the key were absent
             continue
@@ -100,7 +106,8 @@ def parse_options(raw: dict | None, extra_fields: dict[str, tuple[type, Any]] | 
             field = STANDARD_OPTIONS[name]
             values[name] = _validate(name, value, field.metadata["kind"], field.metadata["check"])
         elif name in extra_fields:
-            extra[name] = _validate(name, value, extra_fields[name][0], None)
+            spec = extra_fields[name]
+            extra[name] = _validate(name, value, spec[0], spec[2] if len(spec) > 2 else None)
         else:
             log.warning("ignoring unknown option %r", name)
     return Options(**values, extra=extra)
@@ -147,7 +154,7 @@ def _validate(name: str, value: Any, kind: type | str, check: Check | None) -> A
     converted = CONVERTERS.get(kind, _instance_of(kind))(value)
     if converted is _INVALID:
         raise InvalidOptionError(f"option {name!r} must be {_describe(kind)}, got {_show(value)}")
-    if check is not None and not check(converted):
+    if check is not None and isinstance(converted, (int, float)) and not check(converted):
         raise InvalidOptionError(f"option {name!r} must be {check.describe()}, got {value!r}")
     return converted
 
@@ -181,6 +188,28 @@ def _to_strings(value: Any) -> Any:
     return _INVALID
 
 
+MAX_LOGIT_BIAS = 100.0
+
+
+def _to_token_biases(value: Any) -> Any:
+    """OpenAI's `logit_bias` ({"token id": bias}) or llama.cpp's list of [id, bias] pairs, as sorted (id, bias)
+    pairs; each bias in [-100, 100]. Token ids are checked against the model's vocabulary when a sequence starts."""
+    if isinstance(value, dict):
+        pairs = list(value.items())
+    elif isinstance(value, (list, tuple)) and all(isinstance(pair, (list, tuple)) and len(pair) == 2 for pair in value):
+        pairs = [tuple(pair) for pair in value]
+    else:
+        return _INVALID
+    biases = {}
+    for key, bias in pairs:
+        token = _to_int(int(key)) if isinstance(key, str) and _INTEGER_TEXT.fullmatch(key) else _to_int(key)
+        bias = _to_float(bias)
+        if token is _INVALID or token < 0 or bias is _INVALID or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+            return _INVALID
+        biases[token] = bias
+    return tuple(sorted(biases.items()))
+
+
 def _instance_of(kind: type) -> Callable[[Any], Any]:
     return lambda value: value if isinstance(value, kind) else _INVALID
 
@@ -191,6 +220,7 @@ CONVERTERS: dict[type | str, Callable[[Any], Any]] = {
     "strings": _to_strings,
     bool: _instance_of(bool),
     str: _instance_of(str),
+    "token_biases": _to_token_biases,
 }
 
 _TEXT_PARSERS: dict[type | str, Callable[[str], Any]] = {
@@ -206,6 +236,7 @@ _DESCRIPTIONS = {
     "strings": "a string or a list of strings",
     bool: "true or false",
     str: "a string",
+    "token_biases": f"an object mapping token ids to biases from {-MAX_LOGIT_BIAS:g} to {MAX_LOGIT_BIAS:g}",
 }
 
 

@@ -16,11 +16,19 @@ A step is a class registered through the `register_samplers` hook:
 `apply` only ever sees the rows for which `active` is true, and is skipped when no row needs it; it
 may modify `logits` in place. A step that depends on a sequence's state rather than its options defines
 `active_for(sampler)` instead (the grammar step: does the row's `SequenceSampler` carry a matcher?).
-The built-in steps (plugins/samplers/standard.py) run in this order:
+The built-in steps (plugins/samplers/) run in this order:
 
-    10 penalties   20 top_k   30 temperature   35 typical_p   40 top_p   50 min_p   -> softmax, draw
+     0 grammar   5 logit_bias   10 penalties   15 dry   20 top_k   30 temperature   35 typical_p
+    40 top_p    50 min_p        55 xtc         60 mirostat                        -> softmax, draw
 
-and the grammar step (plugins/samplers/grammar.py, order 0) masks a constrained row before all of them.
+The grammar step masks a constrained row before all of them, but it is deferred (see `sample`): a draw
+it allows needs no mask. Mirostat, when on, replaces the truncating steps (top_k ... xtc) as in llama.cpp.
+
+Per-sequence state: a step may define `window(options, num_ctx)` (how many recent tokens it reads),
+`prepare(sampler, tokenizer)` (run once when the sequence starts: `SamplerChain.start`), and
+`observe(final, ids, tokens, params)` (told the token each of its rows drew, to update state such as
+mirostat's mu, kept in `SequenceSampler.state`). A step's random numbers come from the sequence's own
+generator, `sampler.uniform(purpose)`, one per purpose per token.
 
 Top-k, temperature, top-p and min-p follow Ollama's order, so the probability filters see the
 distribution that is actually drawn from. Every step except penalties is inactive at temperature 0,
@@ -42,6 +50,7 @@ vocabulary cost ~1/8 of the time.
 from __future__ import annotations
 
 import collections
+import itertools
 import math
 import os
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
@@ -61,23 +70,45 @@ _DTYPES = {int: torch.int64, float: torch.float32, bool: torch.bool}
 
 
 class SequenceSampler:
-    """The sampling state of one sequence: its options, random generator and recent tokens."""
+    """The sampling state of one sequence: its options, random generator, recent tokens and its steps' own state."""
 
     def __init__(
-        self, options: Options, prompt: Iterable[int] = (), num_ctx: int | None = None, grammar: GrammarMatcher | None = None
+        self,
+        options: Options,
+        prompt: Iterable[int] = (),
+        num_ctx: int | None = None,
+        grammar: GrammarMatcher | None = None,
+        window: int = 0,
     ):
         self.options = options
         self.grammar = grammar  # the request's format, followed from the first generated token
         self.generator = torch.Generator()
         seed = options.seed if options.seed >= 0 else int.from_bytes(os.urandom(8), "little")
         self.generator.manual_seed(seed % 2**64)
-        # The penalty window, as llama.cpp's server fills it: prompt tokens, then generated ones.
-        window = options.repeat_last_n if options.repeat_last_n >= 0 else (num_ctx or options.num_ctx)
-        self.history: collections.deque[int] = collections.deque(prompt, maxlen=window)
+        # The penalty window, as llama.cpp's server fills it: prompt tokens, then generated ones. `window`: a
+        # longer one a step asks for (DRY's dry_penalty_last_n), kept in the same deque.
+        self.penalty_window = options.repeat_last_n if options.repeat_last_n >= 0 else (num_ctx or options.num_ctx)  # None: all
+        maxlen = None if self.penalty_window is None else max(self.penalty_window, window)
+        self.tokens: collections.deque[int] = collections.deque(prompt, maxlen=maxlen)
+        self.state: dict[str, Any] = {}  # owned by the steps, under their names (mirostat's mu, DRY's breakers)
+        self._uniforms: dict[str, float] = {}
+
+    @property
+    def history(self) -> list[int]:
+        """The penalty window: the last `repeat_last_n` tokens, prompt included."""
+        return self.recent(self.penalty_window)
+
+    def recent(self, n: int | None) -> list[int]:
+        """The last `n` tokens (None: all kept; fewer at the start), prompt included."""
+        if n is not None and n <= 0:
+            return []
+        if n is None or n >= len(self.tokens):
+            return list(self.tokens)
+        return list(itertools.islice(self.tokens, len(self.tokens) - n, None))
 
     def accept(self, token: int) -> None:
         """Record a generated token in the penalty window and advance the grammar past it."""
-        self.history.append(token)
+        self.tokens.append(token)
         if self.grammar is not None:
             self.grammar.accept(token)
 
@@ -86,9 +117,19 @@ class SequenceSampler:
         """Its grammar admits no further token: the output is one whole value and the sequence should end."""
         return self.grammar is not None and self.grammar.complete
 
-    def uniform(self) -> float:
-        """One draw from U[0, 1) of this sequence's own generator."""
-        return torch.rand((), generator=self.generator, dtype=torch.float64).item()
+    def next_token(self) -> None:
+        """Start choosing a new token: the uniform draws of the last one are forgotten."""
+        self._uniforms.clear()
+
+    def uniform(self, purpose: str = "draw") -> float:
+        """One draw from U[0, 1) of this sequence's own generator for `purpose` (the draw, XTC's coin, ...).
+
+        The same value for the whole of one token's sampling: when the grammar rejects a draw and the chain
+        samples again under the mask (see SamplerChain.sample), it reuses the numbers of the first pass, so a
+        seeded sequence consumes its generator the same way whatever else is in its batch."""
+        if purpose not in self._uniforms:
+            self._uniforms[purpose] = torch.rand((), generator=self.generator, dtype=torch.float64).item()
+        return self._uniforms[purpose]
 
 
 class BatchParams:
@@ -108,7 +149,7 @@ class BatchParams:
     def tensor(self, name: str) -> torch.Tensor:
         """Option `name` of every row: [b], int64 / float32 / bool after the option's type."""
         if name not in self._tensors:
-            kind, default = self.fields.get(name, (None, None))
+            kind, default = self.fields.get(name, (None, None))[:2]
             values = [seq.options.get(name, default) for seq in self.seqs]
             self._tensors[name] = torch.tensor(values, dtype=_DTYPES.get(kind), device=self.device)
         return self._tensors[name]
@@ -123,6 +164,17 @@ class BatchParams:
                 rows[row, : len(seq.history)] = seq.history
             self._history = torch.from_numpy(rows).to(self.device)
         return self._history
+
+    def recent(self, lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's last `lengths[row]` tokens, right-aligned: (int64 [b, L] padded with -1 on the left, bool valid)."""
+        windows = [seq.recent(n) for seq, n in zip(self.seqs, lengths)]
+        width = max((len(window) for window in windows), default=0)
+        rows = np.full((len(self.seqs), width), -1, dtype=np.int64)
+        for row, window in enumerate(windows):
+            if window:
+                rows[row, width - len(window) :] = window
+        tokens = torch.from_numpy(rows).to(self.device)
+        return tokens, tokens >= 0
 
     def select(self, rows: list[int]) -> BatchParams:
         """The parameters of a subset of the rows."""
@@ -167,6 +219,23 @@ class SamplerChain:
             for key, spec in getattr(step, "options", {}).items():
                 self.fields.setdefault(key, spec)
 
+    def start(
+        self, options: Options, prompt: Sequence[int] = (), num_ctx: int | None = None, grammar: GrammarMatcher | None = None,
+        tokenizer: Any = None,
+    ) -> SequenceSampler:
+        """A new sequence's sampler; the steps active for it prepare their state (they may raise InvalidOptionError).
+
+        A step may define `window(options, num_ctx) -> int`, the number of recent tokens it reads, and
+        `prepare(sampler, tokenizer)`, run once per sequence (off the event loop: it may be slow once per model)."""
+        probe = SequenceSampler(options, (), num_ctx, grammar)
+        active = [step for _, step in self.steps if _active(step, probe)]
+        window = max((step.window(options, num_ctx) for step in active if hasattr(step, "window")), default=0)
+        sampler = SequenceSampler(options, prompt, num_ctx, grammar, window=window)
+        for step in active:
+            if hasattr(step, "prepare"):
+                step.prepare(sampler, tokenizer)
+        return sampler
+
     @property
     def extra_options(self) -> dict[str, tuple[type, Any]]:
         """The options the steps declare beyond Ollama's: pass them to `parse_options`."""
@@ -174,18 +243,24 @@ class SamplerChain:
 
     def process(self, logits: torch.Tensor, seqs: Sequence[SequenceSampler]) -> torch.Tensor:
         """Run every step over the rows that need it: the final logits [B, V], -inf where masked."""
-        values, ids = self._candidates(logits, seqs)
+        values, ids, _active_rows = self._candidates(logits, seqs)
         if ids is None:
             return values
         return torch.full(logits.shape, float("-inf"), device=values.device).scatter_(1, ids, values)
 
-    def _candidates(self, logits: torch.Tensor, seqs: Sequence[SequenceSampler]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _candidates(
+        self, logits: torch.Tensor, seqs: Sequence[SequenceSampler], defer: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None, list[list[int]]]:
         """The final logits [B, V] and None; or, once a step narrowed every row, the final logits of
-        the candidates [B, k] and their token ids."""
+        the candidates [B, k] and their token ids. Also each step's active rows. `defer`: leave out the
+        steps that can check a drawn token instead (`allows`: the grammar)."""
         out = logits.to(torch.float32, copy=True)
         params = BatchParams(seqs, out.device, self.fields)
         ids = None
-        active = [[row for row, seq in enumerate(seqs) if _active(step, seq)] for _, step in self.steps]
+        active = [
+            [] if defer and hasattr(step, "allows") else [row for row, seq in enumerate(seqs) if _active(step, seq)]
+            for _, step in self.steps
+        ]
         for index, ((_name, step), rows) in enumerate(zip(self.steps, active)):
             if ids is None and len(rows) == len(seqs) and self._narrows(step, index, active, params, out.shape[1]):
                 out, ids = step.candidates(out, params)
@@ -193,7 +268,7 @@ class SamplerChain:
                 out = step.apply(out, params)
             elif rows:
                 out[_index(rows, out)] = step.apply(_rows(out, rows), params.select(rows))
-        return out, ids
+        return out, ids, active
 
     def _narrows(self, step: Any, index: int, active: list[list[int]], params: BatchParams, vocab: int) -> bool:
         """Whether the chain goes on over the candidates after `step` (the index-th, active on every row)."""
@@ -215,16 +290,48 @@ class SamplerChain:
         self, logits: torch.Tensor, seqs: Sequence[SequenceSampler], top_logprobs: list[int] | None = None, logprobs: bool = True
     ) -> SampleResult:
         """Choose one token per row of `logits` [B, V]; row i belongs to `seqs[i]` (not accepted into it).
-        Without `logprobs` (and top_logprobs), the chosen tokens' logprobs are NaN: not computed."""
+        Without `logprobs` (and top_logprobs), the chosen tokens' logprobs are NaN: not computed.
+
+        The grammar's fast path, as Ollama's and llama.cpp's samplers take it: every row is first drawn
+        without the steps that can check one token (`allows`: the grammar); only the rows whose token such
+        a step rejects are sampled again with their full mask, reusing the same uniform numbers. A greedy
+        row gets the constrained argmax either way; a sampled row's accepted draws skip the mask."""
         raw = logits.float()
-        tokens = self._draw(*self._candidates(raw, seqs), seqs)
+        for seq in seqs:
+            seq.next_token()
+        checks = [(step, [row for row, seq in enumerate(seqs) if _active(step, seq)]) for _, step in self.steps if hasattr(step, "allows")]
+        checks = [(step, rows) for step, rows in checks if rows]
+        final, ids, active = self._candidates(raw, seqs, defer=bool(checks))
+        tokens = self._draw(final, ids, seqs)
+        rejected = sorted({row for step, rows in checks for row in rows if not step.allows(seqs[row], int(tokens[row]))})
+        self._observe(final, ids, tokens, seqs, active, skip=set(rejected))
+        if rejected:
+            again = [seqs[row] for row in rejected]
+            final, ids, active = self._candidates(raw[_index(rejected, raw)], again)
+            redrawn = self._draw(final, ids, again)
+            self._observe(final, ids, redrawn, again, active)
+            tokens[_index(rejected, tokens)] = redrawn
         if not logprobs and not any(top_logprobs or ()):
             return SampleResult(tokens.tolist(), [math.nan] * len(seqs), [[] for _ in seqs])
         norm = torch.logsumexp(raw, dim=-1)
         chosen = raw.gather(1, tokens[:, None])[:, 0] - norm
         return SampleResult(tokens.tolist(), chosen.tolist(), _alternatives(raw, norm, top_logprobs))
 
+    def _observe(
+        self, final: torch.Tensor, ids: torch.Tensor | None, tokens: torch.Tensor, seqs: Sequence[SequenceSampler],
+        active: list[list[int]], skip: set[int] = frozenset(),
+    ) -> None:
+        """Tell the steps that keep per-sequence state (`observe`: mirostat's mu) which token each of their rows drew
+        from the final distribution `final` (of candidates `ids`, or of the whole vocabulary)."""
+        params = BatchParams(seqs, final.device, self.fields)
+        for (_name, step), rows in zip(self.steps, active):
+            rows = [row for row in rows if row not in skip]
+            if rows and hasattr(step, "observe"):
+                candidates = None if ids is None else _rows(ids, rows)
+                step.observe(_rows(final, rows), candidates, tokens[_index(rows, tokens)], params.select(rows))
+
     def _draw(self, final: torch.Tensor, ids: torch.Tensor | None, seqs: Sequence[SequenceSampler]) -> torch.Tensor:
+        """Each row's token: the argmax for greedy rows, else the inverse CDF at the row's own uniform number."""
         if ids is not None:  # candidates in token-id order: ties resolve as over the whole vocabulary
             ids, order = ids.sort(dim=-1)
             final = final.gather(1, order)

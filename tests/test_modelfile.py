@@ -39,7 +39,8 @@ from tiny_gguf import write_tiny_llama
             'FROM m\nPARAMETER stop "<|im_end|>"\nPARAMETER stop <end>',
             Modelfile("m", {"stop": ["<|im_end|>", "<end>"]}),
         ),
-        ("FROM m\nPARAMETER mirostat 1", Modelfile("m")),
+        ("FROM m\nPARAMETER mirostat 1", Modelfile("m", {"mirostat": 1})),
+        ("FROM m\nPARAMETER use_mmap true", Modelfile("m")),
         ("FROM m\nTEMPLATE {{ messages }}", Modelfile("m", template="{{ messages }}")),
         ("FROM m\nSYSTEM You are terse.", Modelfile("m", system="You are terse.")),
         ("FROM m\nSYSTEM first\nSYSTEM second", Modelfile("m", system="second")),
@@ -126,9 +127,10 @@ def test_render_writes_instructions_in_ollama_order():
 
 
 def test_validate_parameters_types_and_rejects_unknown_names():
-    assert validate_parameters({"temperature": 1, "stop": "x", "seed": None, "mirostat": 2}) == {
+    assert validate_parameters({"temperature": 1, "stop": "x", "seed": None, "mirostat": 2, "numa": True}) == {
         "temperature": 1.0,
         "stop": ["x"],
+        "mirostat": 2,
     }
     with pytest.raises(InvalidOptionError, match="unknown parameter 'temp'"):
         validate_parameters({"temp": 1})
@@ -304,12 +306,12 @@ def test_spec_needs_exactly_one_base():
 def test_model_defaults_skip_bad_stored_values(tmp_path, tiny_gguf):
     store = Store(tmp_path / "models")
     manifest = create_model(store, "tiny", ModelSpec(gguf_path=tiny_gguf))
-    params = store.write_blob(json.dumps({"top_k": "many", "temperature": 0.5, "mirostat": 1}).encode())
+    params = store.write_blob(json.dumps({"top_k": "many", "temperature": 0.5, "mirostat": 1, "numa": True}).encode())
     messages = store.write_blob(b'[{"role": "robot", "content": "x"}]')
     layers = [(MODEL_MEDIA_TYPE, manifest.model.digest), (PARAMS_MEDIA_TYPE, params), (MESSAGES_MEDIA_TYPE, messages)]
     store.write_manifest("odd", layers)
     defaults = model_defaults(store, "odd")
-    assert defaults.options == {"temperature": 0.5}
+    assert defaults.options == {"temperature": 0.5, "mirostat": 1}
     assert defaults.messages == ()
 
 

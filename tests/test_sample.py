@@ -328,9 +328,9 @@ def test_options_that_are_not_an_object_raise():
 
 def test_an_unknown_option_is_ignored_with_a_warning(caplog):
     with caplog.at_level(logging.WARNING, logger="corral.options"):
-        opts = parse_options({"mirostat": 2, "temperature": 0.1})
+        opts = parse_options({"tfs_z": 0.95, "temperature": 0.1})
     assert opts == Options(temperature=0.1)
-    assert "mirostat" in caplog.text
+    assert "tfs_z" in caplog.text
 
 
 # -- third-party samplers ------------------------------------------------------------------------

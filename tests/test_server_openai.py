@@ -220,7 +220,7 @@ async def test_unknown_model_is_404(tiny_server):
         ({"model": TINY_LLAMA, "messages": FRANCE, "top_logprobs": 21, "logprobs": True}, "top_logprobs"),
         ({"model": TINY_LLAMA, "messages": FRANCE, "stop": [1]}, "stop must be"),
         ({"model": TINY_LLAMA, "messages": []}, "at least one message"),
-        ({"model": TINY_LLAMA, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "not supported yet"),
+        ({"model": TINY_LLAMA, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "does not support images"),
         ({"model": TINY_LLAMA, "messages": FRANCE, "response_format": {"type": "xml"}}, "response_format.type must be"),
     ],
 )

@@ -319,12 +319,23 @@ def _parse_format(value: str | None) -> str | dict | None:
 @click.option("--gen-tokens", type=int, default=128, show_default=True)
 @click.option("--precision", type=click.Choice(["auto", "fp32"]), default="auto", show_default=True)
 @click.option("--concurrency", type=int, default=None, help="Run N parallel streams through the runtime instead.")
+@click.option(
+    "--format", "format_", default=None,
+    help='Compare constrained decoding ("json" or a JSON schema) with free decoding, at batch 1 and 8 (or --concurrency).',
+)
+@click.option("--rounds", type=int, default=3, show_default=True, help="With --format: alternating rounds per condition.")
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
-def bench(model: str, prompt_tokens: int, gen_tokens: int, precision: str, concurrency: int | None, as_json: bool) -> None:
-    """Measure load time, prefill and decode tokens/s (batch 1) and memory; or N concurrent streams."""
-    from corral.bench import run_bench, run_concurrency_bench
+def bench(
+    model: str, prompt_tokens: int, gen_tokens: int, precision: str, concurrency: int | None, format_: str | None, rounds: int,
+    as_json: bool,
+) -> None:
+    """Measure load time, prefill and decode tokens/s (batch 1) and memory; or N concurrent streams; or --format's cost."""
+    from corral.bench import run_bench, run_concurrency_bench, run_format_bench
 
-    if concurrency:
+    if format_ is not None:
+        batches = (concurrency,) if concurrency else (1, 8)
+        figures = run_format_bench(model, _parse_format(format_), batches, gen_tokens=gen_tokens, rounds=rounds, precision=precision)
+    elif concurrency:
         figures = run_concurrency_bench(model, concurrency, prompt_tokens=prompt_tokens, gen_tokens=gen_tokens, precision=precision)
     else:
         figures = run_bench(model, prompt_tokens=prompt_tokens, gen_tokens=gen_tokens, precision=precision)
@@ -332,6 +343,17 @@ def bench(model: str, prompt_tokens: int, gen_tokens: int, precision: str, concu
         click.echo(json.dumps(figures, indent=2))
         return
     table = Table("FIGURE", "VALUE", box=None)
-    for key, value in figures.items():
+    for key, value in _flat(figures).items():
         table.add_row(key, f"{value:.2f}" if isinstance(value, float) else str(value))
     console.print(table)
+
+
+def _flat(figures: dict, prefix: str = "") -> dict:
+    """Nested figures ({"batch_8": {"ratio": ...}}) as one level of dotted keys, for the table."""
+    out: dict = {}
+    for key, value in figures.items():
+        if isinstance(value, dict) and key != "format":
+            out |= _flat(value, f"{prefix}{key}.")
+        else:
+            out[prefix + key] = value
+    return out

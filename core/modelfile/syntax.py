@@ -34,10 +34,11 @@ log = logging.getLogger(__name__)
 MESSAGE_ROLES = ("system", "user", "assistant")
 # Ollama parameters corral has no use for: Ollama's deprecated ones and its GPU placement knobs. A
 # Modelfile written for Ollama may carry them, so they are dropped with a warning instead of refused.
+# (mirostat, mirostat_tau and mirostat_eta are options: plugins/samplers/mirostat.py.)
 IGNORED_PARAMETERS = frozenset(
     {
         "penalize_newline", "low_vram", "f16_kv", "logits_all", "vocab_only", "use_mlock",
-        "mirostat", "mirostat_tau", "mirostat_eta", "main_gpu", "use_mmap", "numa",
+        "main_gpu", "use_mmap", "numa",
     }
 )  # fmt: skip
 _INSTRUCTIONS = ("from", "parameter", "template", "system", "message", "license")

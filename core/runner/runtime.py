@@ -34,7 +34,7 @@ from corral.runner.interface import Embeddings, EmbeddingsUnsupportedError, Gene
 from corral.runner.sequence import SequenceActor, truncate_prompt
 from corral.runner.slots import SlotPool
 from corral.runner.stream import Chunk
-from corral.sample import MAX_TOP_LOGPROBS, SamplerChain, SequenceSampler
+from corral.sample import MAX_TOP_LOGPROBS, SamplerChain
 
 
 class InvalidPromptError(CorralError, ValueError):
@@ -382,6 +382,9 @@ class Runtime:
         num_keep = min(len(ids) if opts.num_keep < 0 else opts.num_keep, num_ctx - 1)  # -1: the whole prompt
         ids = truncate_prompt(ids, num_ctx, num_keep)
         num_predict, shift = (-1, False) if opts.num_predict == -2 else (opts.num_predict, shift)  # -2: fill the context
+        # The steps active for it prepare their state first (DRY reads the vocabulary once per model): off the loop.
+        start = functools.partial(self.chain.start, opts, ids, num_ctx, grammar=matcher, tokenizer=self.model.tokenizer)
+        sampler = await trio.to_thread.run_sync(start)
         slot, reused = await self.slots.acquire(ids, self._reusable)
         request.slot = slot
         self.cache.remove(slot, reused)
@@ -393,7 +396,7 @@ class Runtime:
             pending=ids[reused:],
             position=reused,
             cached=ids[:reused],
-            sampler=SequenceSampler(opts, ids, num_ctx, grammar=matcher),
+            sampler=sampler,
             events=events_send,
             num_predict=num_predict,
             num_ctx=num_ctx,

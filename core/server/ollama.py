@@ -14,6 +14,7 @@ from corral.runner.stream import Chunk
 from corral.scheduler import parse_keep_alive
 from corral.server import generation
 from corral.server.http import ApiError, field, ndjson_response, now_rfc3339, read_json
+from corral.server.refusals import refuse_fields, refuse_images
 from corral.server.state import state
 from corral.gotemplate import OllamaTemplate
 from corral.template import ChatTemplate, renders_suffix
@@ -27,8 +28,15 @@ def _error_line(error: ApiError) -> dict:
     return {"error": error.message}
 
 
+# Documented fields corral does not do: refused unless harmless (see corral.server.refusals).
+UNSUPPORTED = {
+    "truncate": (True, "corral always shortens a prompt longer than the context (num_ctx); leave truncate out or true"),
+}
+
+
 def _request_common(body: dict) -> dict[str, Any]:
     """Fields every generation request shares, validated."""
+    refuse_fields(body, UNSUPPORTED)
     return {
         "model": field(body, "model", str, required=True),
         "stream": field(body, "stream", bool, True),
@@ -125,16 +133,23 @@ async def _load_or_unload(req: dict, base: dict) -> dict:
     return base | {"done": True, "done_reason": "load"}
 
 
+async def insert_prompt(model: str, source: str | None, prompt: str, suffix: str) -> str:
+    """Fill in the middle, as Ollama renders it: the template (the request's, else the model's) over .Prompt and
+    .Suffix; 400 when it has no .Suffix (the model does not support insert)."""
+    defaults = await trio.to_thread.run_sync(model_defaults, state().store, model)
+    source = source or defaults.template or ""
+    if not renders_suffix(source):
+        raise ApiError(400, f"{model} does not support insert")
+    return OllamaTemplate(source).render(prompt=prompt, suffix=suffix)
+
+
 async def _templated_prompt(model: str, source: str | None, prompt: str, suffix: str, system: str | None, context: list | None) -> str:
     """The prompt Ollama renders itself before sending it raw: with a `suffix`, the template's fill-in-the-middle
     form (.Prompt, .Suffix); else the request's template over the system message (the request's, else the
     model's), the model's MESSAGEs unless a `context` continues a conversation, and the prompt as the user's turn."""
-    defaults = await trio.to_thread.run_sync(model_defaults, state().store, model)
     if suffix:
-        source = source or defaults.template or ""
-        if not renders_suffix(source):
-            raise ApiError(400, f"{model} does not support insert")
-        return OllamaTemplate(source).render(prompt=prompt, suffix=suffix)
+        return await insert_prompt(model, source, prompt, suffix)
+    defaults = await trio.to_thread.run_sync(model_defaults, state().store, model)
     template = ChatTemplate(source)  # a template that does not compile is a TemplateError: 400
     system = system or defaults.system
     messages = [{"role": "system", "content": system}] if system else []
@@ -157,9 +172,12 @@ async def generate():
     suffix = field(body, "suffix", str, "")
     if parse_think(body.get("think")):
         raise ApiError(400, "think is supported on /api/chat; /api/generate does not split thinking yet")
+    images = field(body, "images", list, [])
     state().scheduler.resolve(req["model"])
+    if images:
+        await refuse_images(req["model"])
     base = {"model": req["model"], "created_at": now_rfc3339(), "response": ""}
-    if not prompt and not body.get("images"):
+    if not prompt and not images:
         return await _load_or_unload(req, base)
     templated = bool(template or suffix) and not raw
     if templated:
@@ -193,7 +211,11 @@ async def chat():
             raise ApiError(400, "each message must be an object with a role")
         if not isinstance(message.get("content", ""), str):
             raise ApiError(400, "message content must be a string")
+        if not isinstance(message.get("images") or [], list):
+            raise ApiError(400, "message images must be a list of base64-encoded images")
     state().scheduler.resolve(req["model"])
+    if any(message.get("images") for message in messages):
+        await refuse_images(req["model"])
     base = {"model": req["model"], "created_at": now_rfc3339(), "message": {"role": "assistant", "content": ""}}
     if not messages:
         return await _load_or_unload(req, base)

@@ -23,6 +23,8 @@ from corral.grammar import compile_format
 from corral.runner.stream import Chunk, TokenLogprob
 from corral.server import generation
 from corral.server.http import ApiError, field, read_json, sse_response
+from corral.server.ollama import insert_prompt
+from corral.server.refusals import refuse_fields, refuse_images
 from corral.server.state import state
 from corral.store import parse_name
 from corral.toolcalls import parse_tool_choice, parse_tools
@@ -76,8 +78,49 @@ def _stop(body: dict) -> list[str]:
     return [item for item in stop if item]  # an empty stop string would end every generation at once
 
 
+# Sampling fields beyond OpenAI's that vLLM (top_k, min_p, repetition_penalty, ignore_eos) and llama.cpp's server
+# (the rest) accept on these routes, passed on as the options of the same names; the options' own checks
+# (corral.options, the sampler plugins) make a wrong type or range a 400 that names the field.
+PASSED_OPTIONS = (
+    "top_k", "min_p", "typical_p", "repeat_penalty", "repeat_last_n", "ignore_eos", "logit_bias",
+    "mirostat", "mirostat_tau", "mirostat_eta", "xtc_probability", "xtc_threshold",
+    "dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers",
+)  # fmt: skip
+
+# Documented fields (OpenAI's, vLLM's) corral does not do: a 400 unless harmless, never silently dropped.
+UNSUPPORTED = {
+    "audio": (None, "corral generates text only"),
+    "modalities": ((["text"], []), "corral generates text only; send modalities ['text'] or leave it out"),
+    "prediction": (None, "corral has no predicted outputs (speculative decoding)"),
+    "web_search_options": (None, "corral cannot search the web"),
+    "min_tokens": (0, "corral has no minimum length; use ignore_eos with max_tokens"),
+    "stop_token_ids": ([], "send stop strings instead"),
+    "bad_words": ([], "use logit_bias to ban tokens"),
+    "allowed_token_ids": (None, "use logit_bias or response_format to restrict tokens"),
+    "use_beam_search": (False, "corral samples one sequence; it has no beam search"),
+    "prompt_logprobs": (None, "prompt tokens have no logprobs in corral"),
+    "guided_json": (None, "use response_format with a json_schema"),
+    "guided_regex": (None, "corral constrains output to JSON only: use response_format"),
+    "guided_choice": (None, "corral constrains output to JSON only: use response_format with an enum schema"),
+    "guided_grammar": (None, "corral constrains output to JSON only: use response_format"),
+}
+
+
+def _extras(body: dict) -> dict[str, Any]:
+    """vLLM's and llama.cpp's sampling extras as options: top_k -1 is vLLM's "off" (0 here); vLLM's
+    repetition_penalty covers the whole context, prompt included, as repeat_penalty over repeat_last_n -1."""
+    options = {name: body[name] for name in PASSED_OPTIONS if body.get(name) is not None}
+    if options.get("top_k") == -1:
+        options["top_k"] = 0
+    if body.get("repetition_penalty") is not None:
+        options["repeat_penalty"] = body["repetition_penalty"]
+        options.setdefault("repeat_last_n", -1)
+    return options
+
+
 def _common(body: dict, default_max_tokens: int | None) -> dict[str, Any]:
     """The sampling fields both generation endpoints share, as Ollama options."""
+    refuse_fields(body, UNSUPPORTED)
     for name in ("n", "best_of"):
         if field(body, name, int, 1) != 1:
             raise ApiError(400, f"{name} must be 1: corral returns one choice per request")
@@ -94,7 +137,7 @@ def _common(body: dict, default_max_tokens: int | None) -> dict[str, Any]:
         "stop": _stop(body),
         "num_predict": max_tokens,
     }
-    return {key: value for key, value in options.items() if value is not None}
+    return {key: value for key, value in options.items() if value is not None} | _extras(body)
 
 
 def _request(body: dict, options: dict, logprobs: bool, top_logprobs: int) -> Completion:
@@ -125,6 +168,18 @@ async def _started(req: Completion, start) -> AsyncIterator[Chunk]:
 # --- /v1/chat/completions -------------------------------------------------------------------------
 
 
+IMAGE_PARTS = ("image_url", "input_image")
+
+
+def _has_images(messages: list) -> bool:
+    """Whether any message carries an image content part."""
+    return any(
+        isinstance(message, dict) and isinstance(message.get("content"), list)
+        and any(isinstance(part, dict) and part.get("type") in IMAGE_PARTS for part in message["content"])
+        for message in messages
+    )  # fmt: skip
+
+
 def _text_content(content: Any) -> str:
     """A message's content: a string, or the text of a list of content parts joined by newlines."""
     if content is None:
@@ -137,8 +192,12 @@ def _text_content(content: Any) -> str:
     for part in content:
         if not isinstance(part, dict) or not isinstance(part.get("type"), str):
             raise ApiError(400, "each content part must be an object with a type")
+        if part["type"] in IMAGE_PARTS:
+            continue  # refused for the model once it is known (chat_completions), unless it can see
         if part["type"] != "text":
-            raise ApiError(400, f"content parts of type {part['type']!r} are not supported yet; send text parts")
+            raise ApiError(
+                400, f"content parts of type {part['type']!r} are not supported: corral takes text (and images for a model that can see)"
+            )
         if not isinstance(part.get("text"), str):
             raise ApiError(400, "a text content part needs a string text")
         texts.append(part["text"])
@@ -246,6 +305,8 @@ async def chat_completions():
         raise ApiError(400, "top_logprobs requires logprobs to be true")
     req = _request(body, _common(body, None), logprobs, top_logprobs)
     state().scheduler.resolve(model)  # unknown model: 404 before anything loads
+    if _has_images(body["messages"]):
+        await refuse_images(model)
     plan = await trio.to_thread.run_sync(generation.plan_tools, model, tools, choice, parallel) if tools else None
     thinking = await trio.to_thread.run_sync(generation.plan_thinking, model, think, True)
     if plan is not None and choice.forces and response_format is not None:
@@ -357,17 +418,19 @@ async def completions():
     body = await read_json()
     model = field(body, "model", str, required=True)
     prompt = _prompt(body)
-    if field(body, "suffix", str):
-        raise ApiError(400, "suffix is not supported yet; send the prompt alone")
+    suffix = field(body, "suffix", str, "")
     echo = field(body, "echo", bool, False)
     top_logprobs = _integer(body, "logprobs", 0, MAX_TOP_LOGPROBS)
     if echo and top_logprobs is not None:
         raise ApiError(400, "echo with logprobs is not supported yet: prompt tokens have no logprobs")
     req = _request(body, _common(body, COMPLETIONS_DEFAULT_MAX_TOKENS), top_logprobs is not None, top_logprobs or 0)
     state().scheduler.resolve(model)
+    # Fill in the middle through the model's template (.Prompt, .Suffix), as Ollama's OpenAI layer does;
+    # a model whose template has no suffix answers 400 "does not support insert". `echo` shows the prompt sent.
+    rendered = await insert_prompt(model, None, prompt, suffix) if suffix else prompt
 
     def start(run: generation.Prepared):
-        return run.runtime.generate(prompt, run.options, raw=True, logprobs=req.logprobs, top_logprobs=req.top_logprobs)
+        return run.runtime.generate(rendered, run.options, raw=True, logprobs=req.logprobs, top_logprobs=req.top_logprobs)
 
     chunks = await _started(req, start)
     reply = {"id": f"cmpl-{secrets.token_hex(12)}", "object": "text_completion", "created": int(time.time()),

@@ -34,17 +34,32 @@ _STR, _INT, _NUM, _BOOL = ({"type": t} for t in ("string", "integer", "number", 
 _TIME = {"type": "string", "format": "date-time"}
 
 # --- schemas --------------------------------------------------------------------------------
+_UNIT = _NUM | {"minimum": 0, "maximum": 1}
+_LOGIT_BIAS = {
+    "type": ["object", "array"], "additionalProperties": _NUM | {"minimum": -100, "maximum": 100},
+    "description": "Token id -> bias added to its logit, from -100 to 100 (OpenAI's object, or llama.cpp's [[id, bias], ...])",
+}
+# The sampler options beyond Ollama's that the built-in sampler plugins declare (plugins/samplers/).
+_SAMPLER_OPTIONS = {
+    "mirostat": _INT | {"enum": [0, 1, 2], "description": "Mirostat version; replaces top_k, typical_p, top_p, min_p and xtc"},
+    "mirostat_tau": _NUM | {"minimum": 0}, "mirostat_eta": _NUM | {"minimum": 0},
+    "logit_bias": _LOGIT_BIAS,
+    "dry_multiplier": _NUM | {"minimum": 0}, "dry_base": _NUM | {"minimum": 1}, "dry_allowed_length": _INT | {"minimum": 0},
+    "dry_penalty_last_n": _INT | {"minimum": -1}, "dry_sequence_breakers": _array(_STR),
+    "xtc_probability": _UNIT, "xtc_threshold": _UNIT,
+}  # fmt: skip
 _OPTIONS = _object(
     {
-        "num_ctx": _INT, "num_batch": _INT, "num_keep": _INT,
+        "num_ctx": _INT, "num_batch": _INT, "num_keep": _INT, "num_gpu": _INT, "num_thread": _INT,
         "num_predict": _INT | {"description": "-1: until a stop; -2: fill the context"},
         "temperature": _NUM, "top_k": _INT, "top_p": _NUM, "min_p": _NUM, "typical_p": _NUM,
         "repeat_last_n": _INT, "repeat_penalty": _NUM, "presence_penalty": _NUM, "frequency_penalty": _NUM,
         "seed": _INT, "stop": _array(_STR), "ignore_eos": _BOOL,
-    },
+    } | _SAMPLER_OPTIONS,
     additionalProperties=True,
-    description="Model options; installed sampler plugins may declare more.",
+    description="Model options; installed sampler plugins may declare more. Unknown names are ignored with a logged warning.",
 )
+_IMAGES = _array(_STR) | {"description": "Refused with 400 unless the model can see; no model corral runs can yet"}
 _TIMINGS = {
     "done_reason": _STR, "total_duration": _INT, "load_duration": _INT, "prompt_eval_count": _INT,
     "prompt_eval_duration": _INT, "eval_count": _INT, "eval_duration": _INT,
@@ -53,9 +68,10 @@ _GENERATION_COMMON = {
     "model": _STR, "stream": _BOOL | {"default": True}, "options": _ref("Options"), "keep_alive": _ref("KeepAlive"),
     "logprobs": _BOOL, "top_logprobs": _INT, "shift": _BOOL | {"default": True},
     "format": {"description": "\"json\" or a JSON schema"}, "think": {"type": ["boolean", "string"]},
+    "truncate": _BOOL | {"const": True, "description": "false is refused: corral always shortens a prompt longer than the context"},
 }
 _MESSAGE = _object(
-    {"role": _STR, "content": _STR, "images": _array(_STR), "tool_calls": _array({"type": "object"}), "thinking": _STR},
+    {"role": _STR, "content": _STR, "images": _IMAGES, "tool_calls": _array({"type": "object"}), "thinking": _STR},
     ("role",),
 )
 _DETAILS = _object(
@@ -67,7 +83,10 @@ _MODEL_ENTRY = _object(
 )
 _PROGRESS = _object({"status": _STR, "digest": _STR, "total": _INT, "completed": _INT, "error": _STR})
 _OPENAI_MESSAGE = _object(
-    {"role": _STR, "content": {"type": ["string", "array", "null"]}, "name": _STR, "tool_calls": _array({"type": "object"}),
+    {"role": _STR,
+     "content": {"type": ["string", "array", "null"],
+                 "description": "A string or text parts; image parts are refused with 400 unless the model can see"},
+     "name": _STR, "tool_calls": _array({"type": "object"}),
      "tool_call_id": _STR, "reasoning_content": _STR},
     ("role",),
 )
@@ -75,7 +94,13 @@ _OPENAI_SAMPLING = {
     "model": _STR, "stream": _BOOL, "stream_options": _object({"include_usage": _BOOL}), "max_tokens": _INT,
     "max_completion_tokens": _INT, "temperature": _NUM, "top_p": _NUM, "seed": _INT, "stop": {"type": ["string", "array"]},
     "presence_penalty": _NUM, "frequency_penalty": _NUM, "logprobs": _BOOL, "top_logprobs": _INT,
-}
+    "n": _INT | {"const": 1}, "best_of": _INT | {"const": 1},
+    # vLLM's and llama.cpp's extras, passed on as the options of the same names.
+    "top_k": _INT | {"minimum": -1, "description": "0 or -1: off"}, "min_p": _UNIT, "typical_p": _UNIT,
+    "repetition_penalty": _NUM | {"exclusiveMinimum": 0, "description": "vLLM's: over the whole context"},
+    "repeat_penalty": _NUM | {"exclusiveMinimum": 0}, "repeat_last_n": _INT | {"minimum": -1}, "ignore_eos": _BOOL,
+    "modalities": _array({"const": "text"}), "min_tokens": _INT | {"const": 0},
+} | _SAMPLER_OPTIONS
 _USAGE = _object({"prompt_tokens": _INT, "completion_tokens": _INT, "total_tokens": _INT})
 
 SCHEMAS: dict[str, dict] = {
@@ -92,7 +117,7 @@ SCHEMAS: dict[str, dict] = {
     "GenerateRequest": _object(
         _GENERATION_COMMON
         | {"prompt": _STR, "suffix": _STR, "system": _STR, "template": _STR, "raw": _BOOL, "context": _array(_INT),
-           "images": _array(_STR)},
+           "images": _IMAGES},
         ("model",),
         description="An empty prompt loads the model (or unloads it with keep_alive 0).",
     ),
@@ -168,7 +193,7 @@ SCHEMAS: dict[str, dict] = {
         _OPENAI_SAMPLING
         | {"messages": _array(_ref("OpenAIMessage")), "tools": _array({"type": "object"}), "tool_choice": {},
            "parallel_tool_calls": _BOOL, "reasoning_effort": {"enum": ["none", "minimal", "low", "medium", "high"]},
-           "response_format": {"type": "object"}, "n": _INT},
+           "response_format": {"type": "object"}},
         ("model", "messages"),
     ),
     "ChatCompletion": _object(
@@ -180,7 +205,10 @@ SCHEMAS: dict[str, dict] = {
         description="With stream=true, SSE events of chat.completion.chunk objects (choices carry delta), then [DONE].",
     ),
     "CompletionRequest": _object(
-        _OPENAI_SAMPLING | {"prompt": {"type": ["string", "array"]}, "suffix": _STR, "echo": _BOOL}, ("model", "prompt")
+        _OPENAI_SAMPLING
+        | {"prompt": {"type": ["string", "array"]}, "echo": _BOOL,
+           "suffix": _STR | {"description": "Fill in the middle through the model's template (.Suffix); 400 when it has none"}},
+        ("model", "prompt"),
     ),
     "Completion": _object(
         {"id": _STR, "object": _STR, "created": _INT, "model": _STR, "system_fingerprint": _STR,

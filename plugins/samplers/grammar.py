@@ -2,6 +2,8 @@
 
 Ordered first, before penalties, so every later step and a greedy row's argmax see only allowed tokens.
 Active for the rows whose sampler carries a grammar matcher, greedy ones included (see corral.grammar).
+It defines `allows`, so the chain first draws without it and computes the full mask only for a row whose
+token the grammar rejects (corral.sample.SamplerChain.sample).
 """
 
 from __future__ import annotations
@@ -33,6 +35,10 @@ class GrammarMask:
     @classmethod
     def active_for(cls, sampler: SequenceSampler) -> bool:
         return sampler.grammar is not None
+
+    @staticmethod
+    def allows(sampler: SequenceSampler, token: int) -> bool:
+        return sampler.grammar.allows(token)
 
     def apply(self, logits: torch.Tensor, params: BatchParams) -> torch.Tensor:
         return mask_logits(logits, [seq.grammar for seq in params.seqs])

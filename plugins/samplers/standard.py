@@ -3,6 +3,8 @@
     10 penalties   20 top_k   30 temperature   35 typical_p   40 top_p   50 min_p
 
 Every step but penalties is inactive at temperature 0, so greedy rows take the argmax after penalties.
+With `mirostat` on, the truncating steps (top_k, typical_p, top_p, min_p) are inactive: as in llama.cpp, the
+mirostat step (plugins/samplers/mirostat.py) chooses the candidates itself.
 Each step only sees the rows it is active for (see corral.sample).
 """
 
@@ -70,7 +72,7 @@ class TopK:
 
     @classmethod
     def active(cls, options: Options) -> bool:
-        return options.temperature > 0 and options.top_k > 0
+        return options.temperature > 0 and options.top_k > 0 and not options.mirostat
 
     @staticmethod
     def keeps_at_most(params: BatchParams) -> int:
@@ -116,7 +118,7 @@ class TypicalP:
 
     @classmethod
     def active(cls, options: Options) -> bool:
-        return options.temperature > 0 and options.typical_p < 1.0
+        return options.temperature > 0 and options.typical_p < 1.0 and not options.mirostat
 
     def apply(self, logits: torch.Tensor, params: BatchParams) -> torch.Tensor:
         values, ids = sorted_candidates(logits)
@@ -141,7 +143,7 @@ class TopP:
 
     @classmethod
     def active(cls, options: Options) -> bool:
-        return options.temperature > 0 and options.top_p < 1.0
+        return options.temperature > 0 and options.top_p < 1.0 and not options.mirostat
 
     def apply(self, logits: torch.Tensor, params: BatchParams) -> torch.Tensor:
         values, ids = sorted_candidates(logits)
@@ -162,7 +164,7 @@ class MinP:
 
     @classmethod
     def active(cls, options: Options) -> bool:
-        return options.temperature > 0 and options.min_p > 0.0
+        return options.temperature > 0 and options.min_p > 0.0 and not options.mirostat
 
     def apply(self, logits: torch.Tensor, params: BatchParams) -> torch.Tensor:
         # p_i >= min_p * p_max  <=>  logit_i >= logit_max + log(min_p), as llama.cpp computes it.
