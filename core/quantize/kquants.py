@@ -38,6 +38,16 @@ def _round_clip(value: np.ndarray, low: int, high: int) -> np.ndarray:
     return np.clip(value, low, high, out=value)
 
 
+def _weighted_error(scale, offset, codes, x, weights):
+    """sum(weights * (scale * codes + offset - x)^2) per group, float32, in ggml's order of operations."""
+    diff = scale * codes
+    diff += offset
+    diff -= x
+    diff *= diff
+    diff *= weights
+    return sequential_sum(diff)
+
+
 def sequential_sum(values: np.ndarray) -> np.ndarray:
     """The sum over axis 0 of an [element, group] array, adding element after element as a C loop does.
 
@@ -64,12 +74,7 @@ def make_qkx2_quants(x: np.ndarray, weights: np.ndarray, nmax: int, rmin: float,
     scale = F32(1) / iscale
     best_iscale, best_offset = iscale, lo  # what the kept levels were rounded from
     trial = _round_clip(iscale * (x - lo), 0, nmax)
-    diff = scale * trial
-    diff += lo
-    diff -= x
-    diff *= diff
-    diff *= weights
-    best_error = sequential_sum(diff)
+    best_error = _weighted_error(scale, lo, trial, x, weights)
     for step in range(nstep + 1):
         iscale = (F32(rmin) + F32(rdelta) * F32(step) + F32(nmax)) / (hi - lo)
         trial = x - lo
@@ -86,12 +91,7 @@ def make_qkx2_quants(x: np.ndarray, weights: np.ndarray, nmax: int, rmin: float,
         positive = this_min > 0
         this_min = np.where(positive, F32(0), this_min)
         this_scale = np.where(positive, sum_xl / sum_l2, this_scale)
-        diff = this_scale * trial
-        diff += this_min
-        diff -= x
-        diff *= diff
-        diff *= weights
-        error = sequential_sum(diff)
+        error = _weighted_error(this_scale, this_min, trial, x, weights)
         better = (det > 0) & (error < best_error)
         best_iscale = np.where(better, iscale, best_iscale)
         best_offset = np.where(better, lo, best_offset)
