@@ -166,6 +166,7 @@ async def test_conversation_survives_a_reload_and_model_markup_stays_text(page_s
              "settings": {"model": TINY_LLAMA, "system": "Be brief.", "temperature": 0.3}}
 
     def script(page):
+        page.wait_for_function("!document.querySelector('#send').disabled")  # the page has saved its own state by now
         page.evaluate("saved => localStorage.setItem('corral.chat', JSON.stringify(saved))", saved)
         page.reload()
         page.wait_for_selector("article.assistant")
@@ -201,22 +202,28 @@ async def test_json_and_thinking_toggles_follow_the_models_capabilities(page_ser
         pick(page, TINY_THINKER)
         page.wait_for_selector("#think-toggle", state="visible")
         page.check("#think")
-        page.check("#json")
+        page.fill("#temperature", "1")
         page.fill("#num_predict", "8")
         page.fill("#system", "You are terse.")
-        page.fill("#num_ctx", "512")
+        page.fill("#num_ctx", "96")
         ask(page, "Think first")
         wait_done(page)
-        thought = last_answer(page).locator(".thinking div").inner_text()
+        thought = last_answer(page).locator(".thinking div").text_content()  # folded away: not rendered text
+        page.uncheck("#think")
+        page.check("#json")
+        ask(page, "Now as JSON")
+        wait_done(page)
         return llama_thinks, bodies, thought
 
     llama_thinks, bodies, thought = await in_browser(page_server, script, screenshot="chat-page-thinking.png")
     assert not llama_thinks
-    (body,) = bodies
-    assert body["think"] is True and body["format"] == "json" and body["stream"] is True
-    assert body["options"]["num_ctx"] == 512 and body["options"]["num_predict"] == 8
-    assert body["messages"][0] == {"role": "system", "content": "You are terse."}
+    thinking, as_json = bodies
+    assert thinking["think"] is True and "format" not in thinking and thinking["stream"] is True
+    assert thinking["options"] == {"temperature": 1, "num_ctx": 96, "num_predict": 8}
+    assert thinking["messages"][0] == {"role": "system", "content": "You are terse."}
     assert thought.strip()
+    assert as_json["think"] is False and as_json["format"] == "json"
+    assert [m["role"] for m in as_json["messages"]] == ["system", "user", "assistant", "user"]
 
 
 @needs_chromium
