@@ -6,6 +6,7 @@ Playwright's sync API runs in a worker thread while the server serves on the tes
 go to $CORRAL_ARTIFACTS (default /tmp/corral-artifacts), which CI keeps.
 """
 
+import concurrent.futures
 import functools
 import json
 import os
@@ -45,34 +46,52 @@ async def page_server(page_store_root, tmp_path, nursery):
     yield await _serve(copy_store(page_store_root, tmp_path / "models"), nursery)
 
 
-def browse(url: str, script, screenshot: str | None = None):
-    """Run `script(page)` on a fresh headless chromium page opened at `url`; blocking (call it in a thread)."""
+@pytest.fixture(scope="module")
+def browser():
+    """One headless chromium for the module, owned by one thread: Playwright's sync objects stay on the thread
+    that made them, so every test's script runs on it too (`in_browser`). Each test gets a fresh context."""
     from playwright.sync_api import sync_playwright
 
-    with sync_playwright() as playwright:
+    owner = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="playwright")
+
+    def launch():
+        playwright = sync_playwright().start()
         # --no-sandbox: CI runs as root, where chromium refuses its sandbox.
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
-        try:
-            # bypass_csp: the test's own probes (wait_for_function) are evaluated strings, which the page's policy
-            # forbids; the page's scripts run as they would anyway, and the markup test then checks the renderer
-            # itself, without the policy's help.
-            page = browser.new_page(viewport={"width": 1200, "height": 800}, bypass_csp=True)
-            page.set_default_timeout(TIMEOUT_MS)
-            errors: list[str] = []
-            page.on("pageerror", lambda error: errors.append(str(error)))
-            page.goto(url)
-            result = script(page)
-            if screenshot:
-                ARTIFACTS.mkdir(parents=True, exist_ok=True)
-                page.screenshot(path=str(ARTIFACTS / screenshot), full_page=True)
-            assert not errors, errors
-            return result
-        finally:
-            browser.close()
+        return playwright, playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+
+    playwright, chromium = owner.submit(launch).result()
+    yield owner, chromium
+    owner.submit(lambda: (chromium.close(), playwright.stop())).result()
+    owner.shutdown()
 
 
-async def in_browser(url: str, script, screenshot: str | None = None):
-    return await trio.to_thread.run_sync(functools.partial(browse, url, script, screenshot))
+def browse(chromium, url: str, script, screenshot: str | None):
+    """Run `script(page)` on a fresh page (its own context: no storage shared) opened at `url`; blocking."""
+    # bypass_csp: the test's own probes (wait_for_function) are evaluated strings, which the page's policy
+    # forbids; the page's scripts run as they would anyway, and the markup test then checks the renderer
+    # itself, without the policy's help.
+    context = chromium.new_context(viewport={"width": 1200, "height": 800}, bypass_csp=True)
+    try:
+        page = context.new_page()
+        page.set_default_timeout(TIMEOUT_MS)
+        errors: list[str] = []
+        page.on("pageerror", lambda error: errors.append(str(error)))
+        page.goto(url)
+        result = script(page)
+        if screenshot:
+            ARTIFACTS.mkdir(parents=True, exist_ok=True)
+            page.screenshot(path=str(ARTIFACTS / screenshot), full_page=True)
+        assert not errors, errors
+        return result
+    finally:
+        context.close()
+
+
+async def in_browser(browser, url: str, script, screenshot: str | None = None):
+    """`browse` on the browser's own thread, while the server keeps serving on this event loop."""
+    owner, chromium = browser
+    job = functools.partial(browse, chromium, url, script, screenshot)
+    return await trio.to_thread.run_sync(lambda: owner.submit(job).result())
 
 
 def pick(page, model: str) -> None:
@@ -122,7 +141,7 @@ async def test_page_files_are_served_and_nothing_else(tiny_server):
 
 
 @needs_chromium
-async def test_chat_streams_an_answer_stops_a_long_one_and_switches_models(page_server):
+async def test_chat_streams_an_answer_stops_a_long_one_and_switches_models(page_server, browser):
     def script(page):
         pick(page, TINY_LLAMA)
         page.fill("#temperature", "1")  # greedy, the random model writes only newlines: sampled, it writes text
@@ -148,7 +167,7 @@ async def test_chat_streams_an_answer_stops_a_long_one_and_switches_models(page_
         switched = {"who": last_answer(page).locator(".who").inner_text(), "stats": last_answer(page).locator(".stats").inner_text()}
         return streamed, stopped, switched
 
-    streamed, stopped, switched = await in_browser(page_server, script, screenshot="chat-page.png")
+    streamed, stopped, switched = await in_browser(browser, page_server, script, screenshot="chat-page.png")
     assert streamed["chunks"] > 2 and streamed["text"].strip(), streamed
     assert streamed["who"] == TINY_LLAMA
     assert "tokens/s" in streamed["stats"] and "first token" in streamed["stats"] and "12 tokens" in streamed["stats"]
@@ -160,7 +179,7 @@ async def test_chat_streams_an_answer_stops_a_long_one_and_switches_models(page_
 
 
 @needs_chromium
-async def test_conversation_survives_a_reload_and_model_markup_stays_text(page_server):
+async def test_conversation_survives_a_reload_and_model_markup_stays_text(page_server, browser):
     saved = {"messages": [{"role": "user", "content": "<script>window.pwned=3</script>hi"},
                           {"role": "assistant", "content": HOSTILE, "model": TINY_LLAMA}],
              "settings": {"model": TINY_LLAMA, "system": "Be brief.", "temperature": 0.3}}
@@ -183,7 +202,7 @@ async def test_conversation_survives_a_reload_and_model_markup_stays_text(page_s
             "temperature": page.input_value("#temperature"),
         }
 
-    seen = await in_browser(page_server, script)
+    seen = await in_browser(browser, page_server, script)
     assert seen["pwned"] is None and seen["images"] == 0 and seen["links"] == 0
     assert seen["bold"] == "bold" and seen["code"] == "<b>code</b>"
     assert '<img src=x onerror="window.pwned=1">' in seen["text"] and "[click](javascript:" in seen["text"]
@@ -192,7 +211,7 @@ async def test_conversation_survives_a_reload_and_model_markup_stays_text(page_s
 
 
 @needs_chromium
-async def test_json_and_thinking_toggles_follow_the_models_capabilities(page_server):
+async def test_json_and_thinking_toggles_follow_the_models_capabilities(page_server, browser):
     def script(page):
         bodies = []
         page.on("request", lambda request: bodies.append(json.loads(request.post_data)) if request.url.endswith("/api/chat") else None)
@@ -215,7 +234,7 @@ async def test_json_and_thinking_toggles_follow_the_models_capabilities(page_ser
         wait_done(page)
         return llama_thinks, bodies, thought
 
-    llama_thinks, bodies, thought = await in_browser(page_server, script, screenshot="chat-page-thinking.png")
+    llama_thinks, bodies, thought = await in_browser(browser, page_server, script, screenshot="chat-page-thinking.png")
     assert not llama_thinks
     thinking, as_json = bodies
     assert thinking["think"] is True and "format" not in thinking and thinking["stream"] is True
@@ -228,7 +247,7 @@ async def test_json_and_thinking_toggles_follow_the_models_capabilities(page_ser
 
 @needs_chromium
 @pytest.mark.real_model
-async def test_smollm2_answers_in_the_page(server):
+async def test_smollm2_answers_in_the_page(server, browser):
     def script(page):
         pick(page, "smollm2:latest")
         page.fill("#temperature", "0")
@@ -237,4 +256,4 @@ async def test_smollm2_answers_in_the_page(server):
         wait_done(page)
         return last_answer(page).locator(".content").inner_text()
 
-    assert "Paris" in await in_browser(server, script, screenshot="chat-page-smollm2.png")
+    assert "Paris" in await in_browser(browser, server, script, screenshot="chat-page-smollm2.png")
