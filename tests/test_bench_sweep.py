@@ -27,11 +27,10 @@ async def test_sweep_loads_both_servers_at_every_level_and_plots_them(cli, tiny_
     other = await _serve(copy_store(tiny_store_root, tmp_path / "other-models"), nursery)
     plot = tmp_path / "bench.png"
     result = await cli(tiny_server, "bench", TINY_LLAMA, "--sweep", "1,3", "--gen-tokens", 5, "--prompt-tokens", 16,
-                       "--rounds", 2, "--against", other, "--plot", plot, "--json")
+                       "--rounds", 2, "--against", f"other={other}", "--plot", plot, "--json")
     assert result.exit_code == 0, result.output
     points = json.loads(result.output)
-    label = other.removeprefix("http://")
-    assert [(p["server"], p["concurrency"]) for p in points] == [(s, c) for s in ("corral", label) for c in (1, 3)]
+    assert [(p["server"], p["concurrency"]) for p in points] == [(s, c) for s in ("corral", "other") for c in (1, 3)]
     for point in points:
         assert point["requests"] == 2 * point["concurrency"]
         assert point["generated_tokens"] == 5 * point["requests"]  # ignore_eos: every request runs to max_tokens
@@ -61,6 +60,14 @@ def test_bad_levels_are_refused(text):
 def test_plot_without_sweep_is_a_usage_error():
     result = CliRunner().invoke(main, ["bench", TINY_LLAMA, "--plot", "x.png"])
     assert result.exit_code == 2 and "--sweep" in result.output
+
+
+def test_against_takes_a_label_or_names_the_server_by_address():
+    from corral.cli.commands import _labelled
+
+    assert _labelled("llama-server=http://127.0.0.1:8080") == ("llama-server", "http://127.0.0.1:8080")
+    assert _labelled("http://127.0.0.1:8080/") == ("127.0.0.1:8080", "http://127.0.0.1:8080/")
+    assert _labelled("http://h:1/?a=b") == ("h:1/?a=b", "http://h:1/?a=b")
 
 
 def test_prompt_is_sized_in_words():

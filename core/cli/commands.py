@@ -329,7 +329,8 @@ def _parse_format(value: str | None) -> str | dict | None:
 @click.option("--sweep", default=None, metavar="1,2,4,8,16",
               help="Load the running server's OpenAI API at each concurrency: throughput and p50/p99 latency.")
 @click.option("--plot", "plot_path", default=None, type=click.Path(dir_okay=False), help="With --sweep: draw the figures to this image.")
-@click.option("--against", multiple=True, metavar="URL", help="With --sweep: also load this OpenAI-compatible server (repeatable).")
+@click.option("--against", multiple=True, metavar="[NAME=]URL",
+              help="With --sweep: also load this OpenAI-compatible server (repeatable; NAME labels it in the plot).")
 @click.option("--against-model", default=None, help="With --against: the model name that server knows (default: MODEL).")
 def bench(
     model: str, prompt_tokens: int, gen_tokens: int, precision: str, concurrency: int | None, format_: str | None, rounds: int,
@@ -372,7 +373,7 @@ def _bench_sweep(
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--sweep") from None
     targets = [Target("corral", base_url_from_env(), model)]
-    targets += [Target(_server_label(url), url, against_model or model) for url in against]
+    targets += [Target(*_labelled(url), against_model or model) for url in against]
     points = run_sweep(targets, levels, prompt_tokens=prompt_tokens, max_tokens=gen_tokens, rounds=rounds)
     if plot_path:
         plot_sweep(points, plot_path, f"{model}: {gen_tokens} new tokens per request, ~{prompt_tokens}-token prompts")
@@ -388,9 +389,12 @@ def _bench_sweep(
         console.print(f"plot written to {plot_path}")
 
 
-def _server_label(url: str) -> str:
-    """A plot label for another server: its host and port."""
-    return url.removeprefix("http://").removeprefix("https://").rstrip("/")
+def _labelled(against: str) -> tuple[str, str]:
+    """(label, URL) of an --against value: "NAME=URL", or a bare URL labelled by its host and port."""
+    name, sep, url = against.partition("=")
+    if sep and "://" not in name:
+        return name, url
+    return against.removeprefix("http://").removeprefix("https://").rstrip("/"), against
 
 
 def _flat(figures: dict, prefix: str = "") -> dict:
