@@ -175,7 +175,10 @@ async def test_chat_streams_an_answer_stops_a_long_one_and_switches_models(page_
     assert switched["who"] == TINY_GEMMA3 and "6 tokens" in switched["stats"], switched
     async with httpx.AsyncClient(base_url=page_server) as http:
         running = {model["name"] for model in (await http.get("/api/ps")).json()["models"]}
+        metrics = (await http.get("/metrics")).text
     assert TINY_GEMMA3 in running
+    # The stopped answer had no token limit: had stopping not ended it on the server, it would still run.
+    assert "\ncorral_running_sequences 0.0\n" in metrics
 
 
 @needs_chromium
