@@ -53,6 +53,8 @@ def main() -> int:
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--gen-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2)
+    # On a machine shared with other work, 1 thread each: spinning thread pools on oversubscribed cores wait a
+    # time slice at every barrier (measured: seconds per token with 2 threads on 2 busy cores).
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     parser.add_argument("--plot", default="docs/bench-smollm2.png")
     args = parser.parse_args()
@@ -64,7 +66,7 @@ def main() -> int:
     per_slot = 2 * (args.prompt_tokens + args.gen_tokens) + 64  # words are sized approximately: room to spare
     corral_port, llama_port = free_port(), free_port()
     env = {**os.environ, "CORRAL_HOST": f"127.0.0.1:{corral_port}", "CORRAL_NUM_PARALLEL": str(slots),
-           "CORRAL_CONTEXT_LENGTH": str(per_slot)}
+           "CORRAL_CONTEXT_LENGTH": str(per_slot), "OMP_NUM_THREADS": str(args.threads)}  # torch's threads, as -t is llama-server's
     servers = [
         subprocess.Popen([sys.executable, "-m", "corral.cli", "serve"], env=env, stderr=subprocess.DEVNULL),
         subprocess.Popen([str(LLAMA_SERVER), "-m", str(gguf), "-np", str(slots), "-c", str(slots * per_slot), "-t", str(args.threads),
