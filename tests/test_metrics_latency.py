@@ -119,6 +119,7 @@ async def test_prefix_cache_counts_reused_prompt_tokens(http):
 
 
 async def test_runner_restarts_count_a_runner_that_died(tiny_store_root, tmp_path, nursery):
+    # Real runner processes, one killed: two process start-ups, the slowest test here (a few seconds when quiet).
     store = Store(copy_store(tiny_store_root, tmp_path / "models"))
     address = await nursery.start(serve, "127.0.0.1", 0, store, Scheduler(store, runner="process"))
     async with httpx.AsyncClient(base_url=f"http://{address}", timeout=120) as http:
@@ -131,7 +132,6 @@ async def test_runner_restarts_count_a_runner_that_died(tiny_store_root, tmp_pat
         with trio.fail_after(20):
             while any(os.path.exists(f"/proc/{pid}") for pid in runners):  # gone once the server reaped it
                 await trio.sleep(0.05)
-        await trio.sleep(0.2)
         await generate(http, TINY_LLAMA, "Hi again", 2)
         after = await scrape(http)
     assert value(after, "corral_runner_restarts_total", TINY_LLAMA) == 1
@@ -140,6 +140,14 @@ async def test_runner_restarts_count_a_runner_that_died(tiny_store_root, tmp_pat
 def _children(parent: int) -> list[int]:
     with open(f"/proc/{parent}/task/{parent}/children") as f:
         return [int(pid) for pid in f.read().split()]
+
+
+async def test_unloading_a_model_is_no_restart(http):
+    await generate(http, TINY_LLAMA, "Hi", 2)
+    unload = await http.post("/api/generate", json={"model": TINY_LLAMA, "keep_alive": 0})
+    assert unload.json()["done_reason"] == "unload"
+    await generate(http, TINY_LLAMA, "Hi again", 2)
+    assert value(await scrape(http), "corral_runner_restarts_total", TINY_LLAMA) == 0
 
 
 async def test_histogram_families_are_described_before_any_traffic(tiny_store_root, tmp_path, nursery):
