@@ -26,6 +26,7 @@ ARTIFACTS = pathlib.Path(os.environ.get("CORRAL_ARTIFACTS", "/tmp/corral-artifac
 TINY_THINKER = "tiny-thinker:latest"
 # DeepSeek R1's convention: the generation prompt opens the thinking block, so all a random model writes is thinking.
 THINKING_CHATML = CHATML.replace("<|im_start|>assistant\n{% endif %}", "<|im_start|>assistant\n<think>\n{% endif %}")
+MARKDOWN = "# Title\n\nSome *text*.\n\n- one\n- two\n\n```py\nx = 1 < 2\n```\n\n[docs](https://example.com/a)"
 HOSTILE = '<img src=x onerror="window.pwned=1"> **bold** [click](javascript:window.pwned=2) `<b>code</b>`'
 TIMEOUT_MS = 60_000
 
@@ -182,8 +183,10 @@ async def test_chat_streams_an_answer_stops_a_long_one_and_switches_models(page_
 
 
 @needs_chromium
-async def test_conversation_survives_a_reload_and_model_markup_stays_text(page_server, browser):
+async def test_conversation_survives_a_reload_renders_markdown_and_model_markup_stays_text(page_server, browser):
     saved = {"messages": [{"role": "user", "content": "<script>window.pwned=3</script>hi"},
+                          {"role": "assistant", "content": MARKDOWN, "model": TINY_LLAMA},
+                          {"role": "user", "content": "again"},
                           {"role": "assistant", "content": HOSTILE, "model": TINY_LLAMA}],
              "settings": {"model": TINY_LLAMA, "system": "Be brief.", "temperature": 0.3}}
 
@@ -193,19 +196,29 @@ async def test_conversation_survives_a_reload_and_model_markup_stays_text(page_s
         page.reload()
         page.wait_for_selector("article.assistant")
         answer = last_answer(page)
+        rendered = page.locator("article.assistant").first
+        markdown = {
+            "h1": rendered.locator("h1").inner_text(), "em": rendered.locator("em").inner_text(),
+            "items": rendered.locator("ul li").all_inner_texts(), "code": rendered.locator("pre code").inner_text(),
+            "language": rendered.locator("pre code").get_attribute("data-language"),
+            "href": rendered.locator("a").get_attribute("href"), "rel": rendered.locator("a").get_attribute("rel"),
+        }
         return {
+            "markdown": markdown,
             "pwned": page.evaluate("window.pwned === undefined ? null : window.pwned"),
             "images": page.locator("#conversation img").count(),
             "bold": answer.locator("strong").inner_text(),
             "code": answer.locator("code").inner_text(),
             "links": answer.locator("a").count(),
             "text": answer.locator(".content").inner_text(),
-            "user": page.locator("article.user .content").inner_text(),
+            "user": page.locator("article.user .content").first.inner_text(),
             "system": page.input_value("#system"),
             "temperature": page.input_value("#temperature"),
         }
 
     seen = await in_browser(browser, page_server, script)
+    assert seen["markdown"] == {"h1": "Title", "em": "text", "items": ["one", "two"], "code": "x = 1 < 2", "language": "py",
+                                "href": "https://example.com/a", "rel": "noopener noreferrer"}
     assert seen["pwned"] is None and seen["images"] == 0 and seen["links"] == 0
     assert seen["bold"] == "bold" and seen["code"] == "<b>code</b>"
     assert '<img src=x onerror="window.pwned=1">' in seen["text"] and "[click](javascript:" in seen["text"]
