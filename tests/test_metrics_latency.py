@@ -1,19 +1,14 @@
 """/metrics' per-model latency histograms, token-count histograms, prefix-cache counters and runner restarts,
-scraped before and after known requests on a live server over the tiny models."""
+scraped before and after known requests on a live server over the tiny models. A runner that dies is counted
+in tests/test_faults.py, which already kills one (runner processes are slow to start)."""
 
 import json
-import os
-import signal
 
 import httpx
 import pytest
-import trio
 from conftest import TINY_GEMMA3, TINY_LLAMA, _serve, copy_store
 from prometheus_client.parser import text_string_to_metric_families
 
-from corral.scheduler import Scheduler
-from corral.server.serve import serve
-from corral.store import Store
 
 HISTOGRAMS = (
     "corral_time_to_first_token_seconds",
@@ -116,30 +111,6 @@ async def test_prefix_cache_counts_reused_prompt_tokens(http):
     assert queries == first["prompt_eval_count"] + second["prompt_eval_count"]
     assert 0 < hits < second["prompt_eval_count"]  # the second request reused all but its last token
     assert value(after, "corral_prefix_cache_hit_rate", TINY_LLAMA) == pytest.approx(hits / queries)
-
-
-async def test_runner_restarts_count_a_runner_that_died(tiny_store_root, tmp_path, nursery):
-    # Real runner processes, one killed: two process start-ups, the slowest test here (a few seconds when quiet).
-    store = Store(copy_store(tiny_store_root, tmp_path / "models"))
-    address = await nursery.start(serve, "127.0.0.1", 0, store, Scheduler(store, runner="process"))
-    async with httpx.AsyncClient(base_url=f"http://{address}", timeout=120) as http:
-        await generate(http, TINY_LLAMA, "Hi", 2)
-        before = await scrape(http)
-        assert value(before, "corral_runner_restarts_total", TINY_LLAMA) == 0
-        runners = _children(os.getpid())
-        for pid in runners:
-            os.kill(pid, signal.SIGKILL)
-        with trio.fail_after(20):
-            while any(os.path.exists(f"/proc/{pid}") for pid in runners):  # gone once the server reaped it
-                await trio.sleep(0.05)
-        await generate(http, TINY_LLAMA, "Hi again", 2)
-        after = await scrape(http)
-    assert value(after, "corral_runner_restarts_total", TINY_LLAMA) == 1
-
-
-def _children(parent: int) -> list[int]:
-    with open(f"/proc/{parent}/task/{parent}/children") as f:
-        return [int(pid) for pid in f.read().split()]
 
 
 async def test_unloading_a_model_is_no_restart(http):
