@@ -137,6 +137,7 @@ class Scheduler:
             raise CorralError(f"CORRAL_RUNNER must be one of {', '.join(RUNNERS)}, not {self.runner!r}")
         self.loaded: dict[str, Loaded] = {}
         self._load_lock = trio.Lock()  # one load at a time
+        self.runner_restarts: dict[str, int] = {}  # by model: runners that died, replaced on the next request (/metrics)
         self._starting = 0  # requests waiting for their model to be found or loaded
         self._idle = trio.Event()  # set whenever a model's last request ends
         self._nursery: trio.Nursery | None = None
@@ -258,6 +259,8 @@ class Scheduler:
                     watch.start_soon(_set_after, runtime.exited, entry.unload)  # a runner that dies unloads itself
                     await entry.unload.wait()
                     watch.cancel_scope.cancel()
+                if runtime.exited.is_set():  # it died (crash, kill, out of memory): the next request loads a fresh one
+                    self.runner_restarts[entry.name] = self.runner_restarts.get(entry.name, 0) + 1
         finally:
             entry.stopped.set()
             if self.loaded.get(entry.name) is entry:

@@ -62,6 +62,9 @@ async def test_killing_the_runner_mid_stream_ends_the_request_with_an_error_line
         assert "error" in lines[-1] and "SIGKILL" in lines[-1]["error"]
         again = await http.post("/api/generate", json={"model": "smollm2", "prompt": "Hi", "stream": False, "options": {"num_predict": 3}})
         assert again.status_code == 200 and again.json()["done"]
+        # /metrics counts the runner that died (here rather than in a test of its own: runner start-ups are slow).
+        metrics = (await http.get("/metrics")).text
+        assert 'corral_runner_restarts_total{model="smollm2:latest"} 1.0' in metrics
 
 
 async def test_killing_the_runner_before_a_non_streamed_answer_is_a_500(nursery, store):

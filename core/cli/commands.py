@@ -323,15 +323,28 @@ def _parse_format(value: str | None) -> str | dict | None:
     "--format", "format_", default=None,
     help='Compare constrained decoding ("json" or a JSON schema) with free decoding, at batch 1 and 8 (or --concurrency).',
 )
-@click.option("--rounds", type=int, default=3, show_default=True, help="With --format: alternating rounds per condition.")
+@click.option("--rounds", type=int, default=3, show_default=True,
+              help="With --format: alternating rounds per condition; with --sweep: requests per concurrent stream.")
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
+@click.option("--sweep", default=None, metavar="1,2,4,8,16",
+              help="Load the running server's OpenAI API at each concurrency: throughput and p50/p99 latency.")
+@click.option("--plot", "plot_path", default=None, type=click.Path(dir_okay=False), help="With --sweep: draw the figures to this image.")
+@click.option("--against", multiple=True, metavar="[NAME=]URL",
+              help="With --sweep: also load this OpenAI-compatible server (repeatable; NAME labels it in the plot).")
+@click.option("--against-model", default=None, help="With --against: the model name that server knows (default: MODEL).")
 def bench(
     model: str, prompt_tokens: int, gen_tokens: int, precision: str, concurrency: int | None, format_: str | None, rounds: int,
-    as_json: bool,
+    as_json: bool, sweep: str | None, plot_path: str | None, against: tuple[str, ...], against_model: str | None,
 ) -> None:
-    """Measure load time, prefill and decode tokens/s (batch 1) and memory; or N concurrent streams; or --format's cost."""
+    """Measure load time, prefill and decode tokens/s (batch 1) and memory; or N concurrent streams; or --format's cost;
+    or, with --sweep, a running server (and --against others) through the HTTP API."""
     from corral.bench import run_bench, run_concurrency_bench, run_format_bench
 
+    if sweep is not None:
+        _bench_sweep(model, sweep, prompt_tokens, gen_tokens, rounds, plot_path, against, against_model, as_json)
+        return
+    if plot_path or against:
+        raise click.UsageError("--plot and --against go with --sweep")
     if format_ is not None:
         batches = (concurrency,) if concurrency else (1, 8)
         figures = run_format_bench(model, _parse_format(format_), batches, gen_tokens=gen_tokens, rounds=rounds, precision=precision)
@@ -346,6 +359,42 @@ def bench(
     for key, value in _flat(figures).items():
         table.add_row(key, f"{value:.2f}" if isinstance(value, float) else str(value))
     console.print(table)
+
+
+def _bench_sweep(
+    model: str, levels_text: str, prompt_tokens: int, gen_tokens: int, rounds: int, plot_path: str | None,
+    against: tuple[str, ...], against_model: str | None, as_json: bool,
+) -> None:
+    from corral.client import base_url_from_env
+    from corral.sweep import Target, parse_levels, plot_sweep, points_json, run_sweep
+
+    try:
+        levels = parse_levels(levels_text)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--sweep") from None
+    targets = [Target("corral", base_url_from_env(), model)]
+    targets += [Target(*_labelled(url), against_model or model) for url in against]
+    points = run_sweep(targets, levels, prompt_tokens=prompt_tokens, max_tokens=gen_tokens, rounds=rounds)
+    if plot_path:
+        plot_sweep(points, plot_path, f"{model}: {gen_tokens} new tokens per request, ~{prompt_tokens}-token prompts")
+    if as_json:
+        click.echo(points_json(points))
+        return
+    table = Table("SERVER", "CONCURRENCY", "REQUESTS", "TOKENS/S", "P50 S", "P99 S", box=None)
+    for point in points:
+        table.add_row(point.server, str(point.concurrency), str(point.requests), f"{point.throughput_tok_s:.1f}",
+                      f"{point.p50_latency_s:.2f}", f"{point.p99_latency_s:.2f}")
+    console.print(table)
+    if plot_path:
+        console.print(f"plot written to {plot_path}")
+
+
+def _labelled(against: str) -> tuple[str, str]:
+    """(label, URL) of an --against value: "NAME=URL", or a bare URL labelled by its host and port."""
+    name, sep, url = against.partition("=")
+    if sep and "://" not in name:
+        return name, url
+    return against.removeprefix("http://").removeprefix("https://").rstrip("/"), against
 
 
 def _flat(figures: dict, prefix: str = "") -> dict:

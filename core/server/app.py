@@ -8,7 +8,7 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from corral.scheduler import Scheduler
-from corral.server import create, embed, extras, metrics, models, ollama, openai
+from corral.server import create, embed, extras, metrics, models, ollama, openai, page
 from corral.server.http import ApiError, as_api_error
 from corral.server.state import ServerState
 from corral.store import Store
@@ -19,7 +19,7 @@ def create_app(scheduler: Scheduler, store: Store, nursery: trio.Nursery) -> Qua
     app = QuartTrio("corral", static_folder=None)
     app.config.update(MAX_CONTENT_LENGTH=None, BODY_TIMEOUT=None, RESPONSE_TIMEOUT=None)
     app.extensions["corral"] = ServerState(scheduler, store, metrics.install(app, scheduler), nursery)
-    for blueprint in (ollama.bp, models.bp, create.bp, openai.bp, embed.bp, extras.bp):
+    for blueprint in (ollama.bp, models.bp, create.bp, openai.bp, embed.bp, extras.bp, page.bp):
         app.register_blueprint(blueprint)
 
     @app.errorhandler(ApiError)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import time
 from typing import Any, AsyncIterator, Callable
 
 import attrs
@@ -44,11 +45,15 @@ async def chunks(
 ) -> AsyncIterator[Chunk]:
     """The runtime's chunks for one request; the last has `done`."""
     server = state()  # read now: a streamed body runs outside the app context
+    arrived = time.perf_counter()
     defaults = await trio.to_thread.run_sync(model_defaults, server.store, model)
     merged = defaults.merge_options(options)
+    timer = server.metrics.timer(server.scheduler.resolve(model)[0], arrived) if server.metrics is not None else None
     async with server.scheduler.use(model, merged, keep_alive) as loaded:
         async with start(Prepared(loaded.runtime, merged, defaults)) as stream:
             async for chunk in stream:
+                if timer is not None:
+                    timer.chunk(chunk)
                 if chunk.done and server.metrics is not None:
                     server.metrics.record_generation(chunk.prompt_eval_count, chunk.eval_count)
                 yield chunk

@@ -30,11 +30,6 @@ def _model_entry(name: str, manifest: Any, modified_at: Any = None) -> dict:
     return entry
 
 
-@bp.get("/")
-async def root():
-    return "corral is running", 200, {"Content-Type": "text/plain; charset=utf-8"}
-
-
 @bp.route("/", methods=["HEAD"])
 async def root_head():
     return "", 200

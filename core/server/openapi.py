@@ -280,14 +280,19 @@ _NDJSON, _SSE = "application/x-ndjson", "text/event-stream"
 
 # Keyed by path shape (arguments reduced to "{}", so the argument's name does not matter) and method.
 OPERATIONS: dict[tuple[str, str], dict] = {
-    ("/", "get"): _op("Is the server running", "meta", errors=(),
-                      response_content={"text/plain": {"schema": {"const": "corral is running"}}}),
+    ("/", "get"): _op("Is the server running; the chat page for a browser", "meta", errors=(),
+                      response_content={"text/plain": {"schema": {"const": "corral is running"}}, "text/html": {"schema": _STR}},
+                      description="Plain text unless the client prefers text/html (a browser), which gets the chat page."),
+    ("/ui/{}", "get"): _op("A file of the chat page (its script, renderer, style)", "meta", errors=(404,),
+                           response_content={"text/javascript": {"schema": _STR}, "text/css": {"schema": _STR}}),
     ("/", "head"): _op("Is the server running (no body)", "meta", errors=()),
     ("/health", "get"): _op("Liveness, without model work", "meta", response="Health", errors=()),
     ("/metrics", "get"): _op("Prometheus metrics", "meta", errors=(),
                              response_content={"text/plain": {"schema": _STR}},
                              description="Requests by route and status, prompt and generated tokens, queue depth, "
-                                         "running sequences, batch size, KV cache cells, models loaded."),
+                                         "running sequences, batch size, KV cache cells, models loaded; per model, vLLM's "
+                                         "histograms of time to first token, inter-token, end-to-end and queue latency and "
+                                         "prompt and generation token counts, prefix-cache queries and hits, runner restarts."),
     ("/openapi.json", "get"): _op("This document", "meta", errors=(),
                                   response_content={"application/json": {"schema": {"type": "object"}}}),
     ("/static/{}", "get"): _op("A static file (Quart's default route; corral ships none)", "meta", errors=(404,),
