@@ -24,7 +24,8 @@ def create_app(scheduler: Scheduler, store: Store, nursery: trio.Nursery) -> Qua
 
     @app.errorhandler(ApiError)
     async def api_error(error: ApiError):
-        return _error_body(error), error.status
+        api = as_api_error(error)  # its message, too, is scrubbed of server paths
+        return _error_body(api), api.status
 
     @app.errorhandler(HTTPException)
     async def http_error(error: HTTPException):
