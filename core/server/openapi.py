@@ -12,6 +12,8 @@ from typing import Any
 import quart
 
 import corral
+from corral.options import options_schema
+from corral.server.openai import INTEGER_RANGES, MAX_TOP_LOGPROBS, NUMBER_RANGES, PASSED_OPTIONS
 
 _RULE_ARGUMENT = re.compile(r"<(?:[^:<>]+:)?([^<>]+)>")  # <path:model> -> model
 UNDOCUMENTED = "undocumented"
@@ -33,32 +35,15 @@ def _object(properties: dict, required: tuple[str, ...] = (), **extra: Any) -> d
 _STR, _INT, _NUM, _BOOL = ({"type": t} for t in ("string", "integer", "number", "boolean"))
 _TIME = {"type": "string", "format": "date-time"}
 
+
+def _ranged(kind: dict, lo: float | None, hi: float | None) -> dict:
+    return kind | ({"minimum": lo} if lo is not None else {}) | ({"maximum": hi} if hi is not None else {})
+
+
 # --- schemas --------------------------------------------------------------------------------
-_UNIT = _NUM | {"minimum": 0, "maximum": 1}
-_LOGIT_BIAS = {
-    "type": ["object", "array"], "additionalProperties": _NUM | {"minimum": -100, "maximum": 100},
-    "description": "Token id -> bias added to its logit, from -100 to 100 (OpenAI's object, or llama.cpp's [[id, bias], ...])",
-}
-# The sampler options beyond Ollama's that the built-in sampler plugins declare (plugins/samplers/).
-_SAMPLER_OPTIONS = {
-    "mirostat": _INT | {"enum": [0, 1, 2], "description": "Mirostat version; replaces top_k, typical_p, top_p, min_p and xtc"},
-    "mirostat_tau": _NUM | {"minimum": 0}, "mirostat_eta": _NUM | {"minimum": 0},
-    "logit_bias": _LOGIT_BIAS,
-    "dry_multiplier": _NUM | {"minimum": 0}, "dry_base": _NUM | {"minimum": 1}, "dry_allowed_length": _INT | {"minimum": 0},
-    "dry_penalty_last_n": _INT | {"minimum": -1}, "dry_sequence_breakers": _array(_STR),
-    "xtc_probability": _UNIT, "xtc_threshold": _UNIT,
-}  # fmt: skip
-_OPTIONS = _object(
-    {
-        "num_ctx": _INT, "num_batch": _INT, "num_keep": _INT, "num_gpu": _INT, "num_thread": _INT,
-        "num_predict": _INT | {"description": "-1: until a stop; -2: fill the context"},
-        "temperature": _NUM, "top_k": _INT, "top_p": _NUM, "min_p": _NUM, "typical_p": _NUM,
-        "repeat_last_n": _INT, "repeat_penalty": _NUM, "presence_penalty": _NUM, "frequency_penalty": _NUM,
-        "seed": _INT, "stop": _array(_STR), "ignore_eos": _BOOL,
-    } | _SAMPLER_OPTIONS,
-    additionalProperties=True,
-    description="Model options; installed sampler plugins may declare more. Unknown names are ignored with a logged warning.",
-)
+# Options and the OpenAI sampling fields come from the declarations the handlers check against
+# (corral.options, the sampler plugins' `options`, corral.server.openai's ranges): one source of truth.
+_OPTIONS = options_schema()  # the installed samplers' options are added per document (`document`)
 _IMAGES = _array(_STR) | {"description": "Refused with 400 unless the model can see; no model corral runs can yet"}
 _TIMINGS = {
     "done_reason": _STR, "total_duration": _INT, "load_duration": _INT, "prompt_eval_count": _INT,
@@ -66,7 +51,7 @@ _TIMINGS = {
 }
 _GENERATION_COMMON = {
     "model": _STR, "stream": _BOOL | {"default": True}, "options": _ref("Options"), "keep_alive": _ref("KeepAlive"),
-    "logprobs": _BOOL, "top_logprobs": _INT, "shift": _BOOL | {"default": True},
+    "logprobs": _BOOL, "top_logprobs": _ranged(_INT, 0, MAX_TOP_LOGPROBS), "shift": _BOOL | {"default": True},
     "format": {"description": "\"json\" or a JSON schema"}, "think": {"type": ["boolean", "string"]},
     "truncate": _BOOL | {"const": True, "description": "false is refused: corral always shortens a prompt longer than the context"},
 }
@@ -90,17 +75,26 @@ _OPENAI_MESSAGE = _object(
      "tool_call_id": _STR, "reasoning_content": _STR},
     ("role",),
 )
+
+
+
 _OPENAI_SAMPLING = {
-    "model": _STR, "stream": _BOOL, "stream_options": _object({"include_usage": _BOOL}), "max_tokens": _INT,
-    "max_completion_tokens": _INT, "temperature": _NUM, "top_p": _NUM, "seed": _INT, "stop": {"type": ["string", "array"]},
-    "presence_penalty": _NUM, "frequency_penalty": _NUM, "logprobs": _BOOL, "top_logprobs": _INT,
+    "model": _STR, "stream": _BOOL, "stream_options": _object({"include_usage": _BOOL}), "seed": _INT,
+    "stop": {"type": ["string", "array"], "items": _STR}, "logprobs": _BOOL,
     "n": _INT | {"const": 1}, "best_of": _INT | {"const": 1},
-    # vLLM's and llama.cpp's extras, passed on as the options of the same names.
-    "top_k": _INT | {"minimum": -1, "description": "0 or -1: off"}, "min_p": _UNIT, "typical_p": _UNIT,
-    "repetition_penalty": _NUM | {"exclusiveMinimum": 0, "description": "vLLM's: over the whole context"},
-    "repeat_penalty": _NUM | {"exclusiveMinimum": 0}, "repeat_last_n": _INT | {"minimum": -1}, "ignore_eos": _BOOL,
     "modalities": _array({"const": "text"}), "min_tokens": _INT | {"const": 0},
-} | _SAMPLER_OPTIONS
+} | {name: _ranged(_NUM, *bounds) for name, bounds in NUMBER_RANGES.items()} | {
+    name: _ranged(_INT, *bounds) for name, bounds in INTEGER_RANGES.items() if name != "logprobs"
+}  # fmt: skip
+
+
+def openai_sampling_extras(options: dict) -> dict:
+    """vLLM's and llama.cpp's sampling fields, passed on as the options of the same names (`options`: the
+    Options schema's properties): top_k also takes vLLM's -1 (off); repetition_penalty is repeat_penalty's range."""
+    extras = {name: options[name] for name in PASSED_OPTIONS if name in options}
+    extras["top_k"] = options["top_k"] | {"minimum": -1, "description": "0 or -1: off"}
+    extras["repetition_penalty"] = options["repeat_penalty"] | {"description": "vLLM's: over the whole context"}
+    return extras
 _USAGE = _object({"prompt_tokens": _INT, "completion_tokens": _INT, "total_tokens": _INT})
 
 SCHEMAS: dict[str, dict] = {
@@ -206,7 +200,7 @@ SCHEMAS: dict[str, dict] = {
     ),
     "CompletionRequest": _object(
         _OPENAI_SAMPLING
-        | {"prompt": {"type": ["string", "array"]}, "echo": _BOOL,
+        | {"prompt": {"type": ["string", "array"]}, "echo": _BOOL, "logprobs": _ranged(_INT, *INTEGER_RANGES["logprobs"]),
            "suffix": _STR | {"description": "Fill in the middle through the model's template (.Suffix); 400 when it has none"}},
         ("model", "prompt"),
     ),
@@ -372,5 +366,21 @@ def document(app: quart.Quart) -> dict:
             {"name": "meta", "description": "Server status and description"},
         ],
         "paths": paths,
-        "components": {"schemas": SCHEMAS},
+        "components": {"schemas": schemas(sampler_options(app))},
     }
+
+
+def sampler_options(app: quart.Quart) -> dict[str, tuple]:
+    """The options the app's installed sampler plugins declare, each `(kind, default[, Check])`."""
+    plugins = app.extensions["corral"].scheduler.plugins
+    return {name: spec for cls in plugins.samplers().values() for name, spec in getattr(cls, "options", {}).items()}
+
+
+def schemas(extra_options: dict[str, tuple]) -> dict[str, dict]:
+    """SCHEMAS with the options (and the OpenAI fields passed on as options) the samplers declare."""
+    options = options_schema(extra_options)
+    extras = openai_sampling_extras(options["properties"])
+    out = SCHEMAS | {"Options": options}
+    for name in ("ChatCompletionRequest", "CompletionRequest"):
+        out[name] = SCHEMAS[name] | {"properties": extras | SCHEMAS[name]["properties"]}
+    return out
