@@ -36,7 +36,21 @@ def create_app(scheduler: Scheduler, store: Store, nursery: trio.Nursery) -> Qua
         api = as_api_error(error)
         return _error_body(api), api.status
 
+    @app.after_request
+    async def close_after_unread_body(response: quart.Response) -> quart.Response:
+        # A body no handler reads (an error answered before reading it: a 405, a bad digest in a blob URL; a GET
+        # sent with one) is left on the connection, and the next request sent on it would wait forever
+        # (hypercorn 0.18): close the connection instead.
+        unread = response.status_code >= 400 or quart.request.method in ("GET", "HEAD", "OPTIONS")
+        if unread and _has_body(quart.request):
+            response.headers["Connection"] = "close"
+        return response
+
     return app
+
+
+def _has_body(request: quart.Request) -> bool:
+    return bool(request.content_length) or "chunked" in request.headers.get("Transfer-Encoding", "").lower()
 
 
 def _error_body(error: ApiError) -> dict:

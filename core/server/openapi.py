@@ -260,7 +260,11 @@ def _op(
     openai = tag == "openai"
     content = response_content if response_content is not None else (_json(response) if response else None)
     if stream is not None and response:
-        content = {**content, stream: {"schema": _ref(response)}}
+        # A stream is a sequence of the response's objects (NDJSON lines, SSE events), the last of which may be
+        # an error object when the failure came after streaming began.
+        error = _ref("OpenAIError" if openai else "Error")
+        content = {**content, stream: {"schema": _array({"anyOf": [_ref(response), error]}) | {
+            "description": f"Each {'event' if stream == _SSE else 'line'} one item; an error after streaming began is the last"}}}
     ok = {"description": "Success"} | ({"content": content} if content else {})
     op = {"summary": summary, "tags": [tag], "responses": {status: ok} | _error_responses(errors, openai)}
     if description:
