@@ -255,6 +255,7 @@ def _op(
     response_content: dict | None = None,
     request_content: dict | None = None,
     description: str = "",
+    links: dict | None = None,
 ) -> dict:
     """An operation with a JSON body (if `request`), a JSON response, and `stream` as its streaming media type."""
     openai = tag == "openai"
@@ -265,7 +266,7 @@ def _op(
         error = _ref("OpenAIError" if openai else "Error")
         content = {**content, stream: {"schema": _array({"anyOf": [_ref(response), error]}) | {
             "description": f"Each {'event' if stream == _SSE else 'line'} one item; an error after streaming began is the last"}}}
-    ok = {"description": "Success"} | ({"content": content} if content else {})
+    ok = {"description": "Success"} | ({"content": content} if content else {}) | ({"links": links} if links else {})
     op = {"summary": summary, "tags": [tag], "responses": {status: ok} | _error_responses(errors, openai)}
     if description:
         op["description"] = description
@@ -275,6 +276,24 @@ def _op(
 
 
 _NDJSON, _SSE = "application/x-ndjson", "text/event-stream"
+
+
+def _uses_model(pointer: str, **extra: str) -> dict:
+    """Links from a response naming a model (at JSON pointer `pointer`) to the operations that take one."""
+    model = f"$response.body#{pointer}"
+    targets = {"post_api_show": {}, "post_api_chat": {}, "post_api_generate": {}, "post_api_tokenize": {},
+               "post_api_embed": {}, "post_api_copy": None, "delete_api_delete": {}}  # fmt: skip
+    links = {}
+    for operation, body in targets.items():
+        request = {"source": model, "destination": "copied"} if body is None else {"model": model} | extra
+        links[operation.removeprefix("post_").removeprefix("delete_")] = {"operationId": operation, "requestBody": request}
+    return links
+
+
+_TAGS_LINKS = _uses_model("/models/0/name")
+_OPENAI_MODELS_LINKS = {"get_model": {"operationId": "get_v1_models_model", "parameters": {"model": "$response.body#/data/0/id"}}}
+_TOKENIZE_LINKS = {"detokenize": {"operationId": "post_api_detokenize",
+                                  "requestBody": {"model": "$request.body#/model", "tokens": "$response.body#/tokens"}}}
 
 # Keyed by path shape (arguments reduced to "{}", so the argument's name does not matter) and method.
 OPERATIONS: dict[tuple[str, str], dict] = {
@@ -295,7 +314,7 @@ OPERATIONS: dict[tuple[str, str], dict] = {
     ("/api/chat", "post"): _op("Generate the next chat message", "ollama", "ChatRequest", "ChatResponse", stream=_NDJSON),
     ("/api/embed", "post"): _op("Embed inputs", "ollama", "EmbedRequest", "EmbedResponse"),
     ("/api/embeddings", "post"): _op("Embed one prompt (legacy)", "ollama", "EmbeddingsRequest", "EmbeddingsResponse"),
-    ("/api/tags", "get"): _op("Models in the store", "ollama", response="TagsResponse", errors=(500,)),
+    ("/api/tags", "get"): _op("Models in the store", "ollama", response="TagsResponse", errors=(500,), links=_TAGS_LINKS),
     ("/api/show", "post"): _op("Describe a model", "ollama", "ShowRequest", "ShowResponse"),
     ("/api/ps", "get"): _op("Loaded models", "ollama", response="PsResponse", errors=(500,)),
     ("/api/create", "post"): _op("Create a model", "ollama", "CreateRequest", "Progress", stream=_NDJSON),
@@ -309,12 +328,12 @@ OPERATIONS: dict[tuple[str, str], dict] = {
         "Upload a blob", "ollama", status="201", errors=(400, 500),
         request_content={"application/octet-stream": {"schema": {"type": "string", "contentMediaType": "application/octet-stream"}}},
     ),
-    ("/api/tokenize", "post"): _op("Token ids of a text", "corral", "TokenizeRequest", "TokenizeResponse"),
+    ("/api/tokenize", "post"): _op("Token ids of a text", "corral", "TokenizeRequest", "TokenizeResponse", links=_TOKENIZE_LINKS),
     ("/api/detokenize", "post"): _op("Text of token ids", "corral", "DetokenizeRequest", "DetokenizeResponse"),
     ("/v1/chat/completions", "post"): _op("Chat completion", "openai", "ChatCompletionRequest", "ChatCompletion", stream=_SSE),
     ("/v1/completions", "post"): _op("Text completion", "openai", "CompletionRequest", "Completion", stream=_SSE),
     ("/v1/embeddings", "post"): _op("Embeddings", "openai", "OpenAIEmbeddingsRequest", "OpenAIEmbeddings"),
-    ("/v1/models", "get"): _op("Models in the store", "openai", response="OpenAIModelList", errors=(500,)),
+    ("/v1/models", "get"): _op("Models in the store", "openai", response="OpenAIModelList", errors=(500,), links=_OPENAI_MODELS_LINKS),
     ("/v1/models/{}", "get"): _op("One model", "openai", response="OpenAIModel", errors=(404, 500)),
 }
 
