@@ -233,12 +233,14 @@ def _json(schema: str) -> dict:
 
 
 def _error_responses(statuses: tuple[int, ...], openai: bool) -> dict:
+    # Every route may refuse a foreign Origin or Host (403) and, with CORRAL_API_KEY set, a missing key (401).
     return {str(status): {"description": _REASONS[status], "content": _json("OpenAIError" if openai else "Error")}
-            for status in statuses}
+            for status in (*statuses, 401, 403)}
 
 
 _REASONS = {
-    400: "Bad request", 404: "Model not found", 500: "Server error",
+    400: "Bad request", 401: "Missing or wrong API key (CORRAL_API_KEY)", 403: "Origin or Host not allowed",
+    404: "Model not found", 500: "Server error",
     502: "The model registry failed or sent something refused", 503: "Server busy",
 }  # fmt: skip
 
