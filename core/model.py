@@ -205,7 +205,8 @@ def check_binds(model_class: type[Model], gguf: GGUFFile) -> None:
     embedding = gguf.tensors.get("token_embd.weight")
     if embedding is None or len(embedding.shape) != 2:
         return
-    width, vocab = gguf.get(f"{arch}.embedding_length"), len(gguf.get("tokenizer.ggml.tokens", ()))
+    tokens = gguf.get("tokenizer.ggml.tokens", ())
+    width, vocab = gguf.get(f"{arch}.embedding_length"), len(tokens) if isinstance(tokens, list) else 0
     if isinstance(width, int) and embedding.shape[1] != width:
         raise GGUFError(f"{gguf.path}: token_embd.weight is {embedding.shape[1]} wide but {arch}.embedding_length is {width}")
     if vocab and embedding.shape[0] != vocab:

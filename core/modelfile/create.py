@@ -44,6 +44,7 @@ from corral.store import (
     parse_name,
 )
 from corral.template import TemplateError, compile_template
+from corral.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -166,6 +167,7 @@ def _check_gguf(path: Path, what: str) -> None:
         gguf = GGUFFile.open(path)
         try:
             check_binds(Plugins().architecture_for(gguf), gguf)
+            _check_tokenizer(gguf.metadata)
         finally:
             gguf.close()
     except (GGUFError, UnknownArchitectureError, MissingTensorError, UnsupportedTensorTypeError) as error:
@@ -173,6 +175,16 @@ def _check_gguf(path: Path, what: str) -> None:
         raise CreateModelError(f"{what} is not a usable GGUF model: {reason}") from None
     except OSError as error:
         raise CreateModelError(f"cannot read {what}: {error.strerror}") from None
+
+
+def _check_tokenizer(metadata: dict) -> None:
+    """The tokenizer must build from the file's metadata, as loading builds it (about a second for 262k tokens)."""
+    try:
+        Tokenizer.from_gguf(metadata)
+    except CorralError as error:
+        raise GGUFError(f"the tokenizer cannot be built: {error}") from None
+    except (KeyError, TypeError, ValueError, IndexError) as error:  # malformed tokenizer.* values
+        raise GGUFError(f"the tokenizer metadata is unusable ({type(error).__name__}: {error})") from None
 
 
 def create_model(store: Store, name: str | ModelName, spec: ModelSpec, progress: Progress | None = None) -> Manifest:
