@@ -87,9 +87,11 @@ def as_api_error(exc: BaseException) -> ApiError:
             return ApiError(status, message, "invalid_request_error" if status < 500 else "server_error")
     if isinstance(exc, CorralError):
         return ApiError(400, public_message(str(exc)))
-    # Anything else is a bug: the details (and the traceback) go to the log, never into the response.
+    # Anything else is a bug: the traceback goes to the log; the response gets the first line of the message only,
+    # without server paths (a message that spans lines is usually a traceback or a dump).
     log.exception("unexpected error while serving a request", exc_info=exc)
-    return ApiError(500, f"internal error ({type(exc).__name__}); the server log has the details", "server_error")
+    first = public_message(str(exc).strip().splitlines()[0][:300]) if str(exc).strip() else type(exc).__name__
+    return ApiError(500, f"internal error: {first}", "server_error")
 
 
 async def read_json() -> dict[str, Any]:
