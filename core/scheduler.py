@@ -75,6 +75,8 @@ def parse_keep_alive(value: Any) -> float | None:
             seconds = sum(float(number) * _UNITS[unit] for number, unit in parts)
     else:
         raise InvalidKeepAliveError(f"keep_alive must be a duration like \"5m\" or a number of seconds, not {value!r}")
+    if math.isnan(seconds):  # float("nan") parses
+        raise InvalidKeepAliveError(f"keep_alive must be a duration like \"5m\" or a number of seconds, not {value!r}")
     return math.inf if seconds < 0 else seconds
 
 

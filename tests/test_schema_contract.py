@@ -21,7 +21,8 @@ from tiny_gguf import write_tiny_llama
 
 from corral.options import STANDARD_OPTIONS, InvalidOptionError, options_schema, parse_options
 from corral.server.http import public_message
-from corral.store import MODEL_MEDIA_TYPE, Store
+from corral.errors import InvalidModelNameError
+from corral.store import MODEL_MEDIA_TYPE, Store, name_pattern, parse_name
 
 
 @pytest.fixture
@@ -163,6 +164,20 @@ def test_the_options_schema_accepts_exactly_what_parsing_accepts(name, value):
     assert jsonschema.Draft202012Validator(schema).is_valid(value) == parsed, (name, value, schema)
 
 
+_NAME_TEXT = st.text(st.sampled_from("aZ09_.-:/ é"), max_size=12) | st.from_regex(name_pattern(), fullmatch=True)
+
+
+@settings(max_examples=150, deadline=None)
+@given(name=_NAME_TEXT)
+def test_the_model_name_schema_accepts_exactly_what_the_store_accepts(name):
+    try:
+        parse_name(name)
+        accepted = True
+    except InvalidModelNameError:
+        accepted = False
+    assert jsonschema.Draft202012Validator({"type": "string", "pattern": name_pattern()}).is_valid(name) == accepted, name
+
+
 async def test_openapi_gives_each_option_its_type_and_range(client):
     schemas = (await client.get("/openapi.json")).json()["components"]["schemas"]
     options = schemas["Options"]["properties"]
@@ -173,6 +188,7 @@ async def test_openapi_gives_each_option_its_type_and_range(client):
     chat = schemas["ChatCompletionRequest"]["properties"]
     assert chat["temperature"] == {"type": "number", "minimum": 0, "maximum": 2}
     assert chat["top_k"]["minimum"] == -1
+    assert schemas["ChatRequest"]["properties"]["model"]["pattern"] == name_pattern()
 
 
 @pytest.mark.parametrize(
@@ -206,3 +222,8 @@ async def test_an_unreadable_body_then_a_request_on_the_same_connection_both_ans
         with trio.fail_after(20):
             response = await client.request("PATCH", "/api/show", content=json.dumps({"model": "x"}))
         assert response.status_code == 405
+
+
+async def test_a_nan_keep_alive_is_a_400(client):
+    response = await client.post("/api/generate", json={"model": TINY_LLAMA, "keep_alive": "nan"})
+    assert response.status_code == 400 and "keep_alive" in response.json()["error"]

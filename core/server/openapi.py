@@ -14,6 +14,7 @@ import quart
 import corral
 from corral.options import options_schema
 from corral.server.openai import INTEGER_RANGES, MAX_TOP_LOGPROBS, NUMBER_RANGES, PASSED_OPTIONS
+from corral.store import name_pattern
 
 _RULE_ARGUMENT = re.compile(r"<(?:[^:<>]+:)?([^<>]+)>")  # <path:model> -> model
 UNDOCUMENTED = "undocumented"
@@ -34,6 +35,7 @@ def _object(properties: dict, required: tuple[str, ...] = (), **extra: Any) -> d
 
 _STR, _INT, _NUM, _BOOL = ({"type": t} for t in ("string", "integer", "number", "boolean"))
 _TIME = {"type": "string", "format": "date-time"}
+_MODEL = _STR | {"pattern": name_pattern(), "description": "[host/][namespace/]model[:tag]"}  # what the store accepts
 
 
 def _ranged(kind: dict, lo: float | None, hi: float | None) -> dict:
@@ -50,7 +52,7 @@ _TIMINGS = {
     "prompt_eval_duration": _INT, "eval_count": _INT, "eval_duration": _INT,
 }
 _GENERATION_COMMON = {
-    "model": _STR, "stream": _BOOL | {"default": True}, "options": _ref("Options"), "keep_alive": _ref("KeepAlive"),
+    "model": _MODEL, "stream": _BOOL | {"default": True}, "options": _ref("Options"), "keep_alive": _ref("KeepAlive"),
     "logprobs": _BOOL, "top_logprobs": _ranged(_INT, 0, MAX_TOP_LOGPROBS), "shift": _BOOL | {"default": True},
     "format": {"description": "\"json\" or a JSON schema"}, "think": {"type": ["boolean", "string"]},
     "truncate": _BOOL | {"const": True, "description": "false is refused: corral always shortens a prompt longer than the context"},
@@ -79,7 +81,7 @@ _OPENAI_MESSAGE = _object(
 
 
 _OPENAI_SAMPLING = {
-    "model": _STR, "stream": _BOOL, "stream_options": _object({"include_usage": _BOOL}), "seed": _INT,
+    "model": _MODEL, "stream": _BOOL, "stream_options": _object({"include_usage": _BOOL}), "seed": _INT,
     "stop": {"type": ["string", "array"], "items": _STR}, "logprobs": _BOOL,
     "n": _INT | {"const": 1}, "best_of": _INT | {"const": 1},
     "modalities": _array({"const": "text"}), "min_tokens": _INT | {"const": 0},
@@ -133,7 +135,7 @@ SCHEMAS: dict[str, dict] = {
         ("model", "created_at", "message", "done"),
     ),
     "EmbedRequest": _object(
-        {"model": _STR, "input": {"type": ["string", "array"], "items": _STR}, "truncate": _BOOL, "dimensions": _INT,
+        {"model": _MODEL, "input": {"type": ["string", "array"], "items": _STR}, "truncate": _BOOL, "dimensions": _INT,
          "options": _ref("Options"), "keep_alive": _ref("KeepAlive")},
         ("model",),
     ),
@@ -142,14 +144,14 @@ SCHEMAS: dict[str, dict] = {
          "prompt_eval_count": _INT}
     ),
     "EmbeddingsRequest": _object(
-        {"model": _STR, "prompt": _STR, "options": _ref("Options"), "keep_alive": _ref("KeepAlive")}, ("model",)
+        {"model": _MODEL, "prompt": _STR, "options": _ref("Options"), "keep_alive": _ref("KeepAlive")}, ("model",)
     ),
     "EmbeddingsResponse": _object({"embedding": _array(_NUM)}),
     "ModelDetails": _DETAILS,
     "ModelEntry": _MODEL_ENTRY,
     "TagsResponse": _object({"models": _array(_ref("ModelEntry"))}, ("models",)),
-    "ModelRequest": _object({"model": _STR, "name": _STR | {"deprecated": True}}),
-    "ShowRequest": _object({"model": _STR, "name": _STR | {"deprecated": True}, "verbose": _BOOL}),
+    "ModelRequest": _object({"model": _MODEL, "name": _STR | {"deprecated": True}}),
+    "ShowRequest": _object({"model": _MODEL, "name": _STR | {"deprecated": True}, "verbose": _BOOL}),
     "ShowResponse": _object(
         {"license": _STR, "modelfile": _STR, "parameters": _STR, "template": _STR, "details": _ref("ModelDetails"),
          "model_info": {"type": "object", "additionalProperties": True}, "capabilities": _array(_STR),
@@ -161,26 +163,26 @@ SCHEMAS: dict[str, dict] = {
     ),
     "PsResponse": _object({"models": _array(_ref("RunningModel"))}, ("models",)),
     "CreateRequest": _object(
-        {"model": _STR, "from": _STR, "files": {"type": "object", "additionalProperties": _STR}, "adapters": {"type": "object"},
+        {"model": _MODEL, "from": _STR, "files": {"type": "object", "additionalProperties": _STR}, "adapters": {"type": "object"},
          "template": _STR, "license": {"type": ["string", "array"]}, "system": _STR, "parameters": {"type": "object"},
          "messages": _array(_ref("Message")), "quantize": _STR, "stream": _BOOL | {"default": True}},
         ("model",),
     ),
-    "CopyRequest": _object({"source": _STR, "destination": _STR}, ("source", "destination")),
+    "CopyRequest": _object({"source": _MODEL, "destination": _MODEL}, ("source", "destination")),
     "PullRequest": _object(
-        {"model": _STR, "name": _STR | {"deprecated": True}, "insecure": _BOOL, "stream": _BOOL | {"default": True}}
+        {"model": _MODEL, "name": _STR | {"deprecated": True}, "insecure": _BOOL, "stream": _BOOL | {"default": True}}
     ),
     "Progress": _PROGRESS,
     "VersionResponse": _object({"version": _STR}, ("version",)),
     "Health": _object({"status": {"const": "ok"}, "models_loaded": _INT}, ("status", "models_loaded")),
     "TokenizeRequest": _object(
-        {"model": _STR, "content": _STR, "text": _STR | {"description": "alias of content"},
+        {"model": _MODEL, "content": _STR, "text": _STR | {"description": "alias of content"},
          "prompt": _STR | {"description": "alias of content"}, "add_special": _BOOL | {"default": True},
          "keep_alive": _ref("KeepAlive")},
         ("model",),
     ),
     "TokenizeResponse": _object({"tokens": _array(_INT)}, ("tokens",)),
-    "DetokenizeRequest": _object({"model": _STR, "tokens": _array(_INT), "keep_alive": _ref("KeepAlive")}, ("model", "tokens")),
+    "DetokenizeRequest": _object({"model": _MODEL, "tokens": _array(_INT), "keep_alive": _ref("KeepAlive")}, ("model", "tokens")),
     "DetokenizeResponse": _object({"content": _STR}, ("content",)),
     "OpenAIMessage": _OPENAI_MESSAGE,
     "ChatCompletionRequest": _object(
@@ -212,7 +214,7 @@ SCHEMAS: dict[str, dict] = {
         ("id", "object", "created", "model", "choices"),
     ),
     "OpenAIEmbeddingsRequest": _object(
-        {"model": _STR, "input": {"type": ["string", "array"]}, "encoding_format": {"enum": ["float", "base64"]},
+        {"model": _MODEL, "input": {"type": ["string", "array"]}, "encoding_format": {"enum": ["float", "base64"]},
          "dimensions": _INT},
         ("model", "input"),
     ),
