@@ -202,7 +202,7 @@ def load_model(
     model_class = plugins.architecture_for(gguf)
     tensor_backend = plugins.open_backend(backend, device=device, precision=precision)
     if num_thread > 0:
-        tensor_backend.set_threads(num_thread)
+        tensor_backend.set_threads(min(num_thread, os.cpu_count() or 1))  # more threads than cores only contend
     # The tokenizer (pure Python, ~1 s for a 262k vocabulary) builds while torch converts weights.
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
         tokenizer = pool.submit(Tokenizer.from_gguf, gguf.metadata)

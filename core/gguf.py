@@ -8,6 +8,7 @@ Tensor bytes are never copied: `GGUFFile.raw()` returns a view into the mapping.
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import pathlib
@@ -40,6 +41,11 @@ _SCALAR_FORMATS = {
 
 
 _U64 = struct.Struct("<Q")
+# The fewest bytes one item can take, to refuse a forged count before looping over it: a key-value pair
+# (key length + value type), a tensor's info (name length, dimension count, type, offset), an array's item.
+_MIN_KV_BYTES, _MIN_TENSOR_INFO_BYTES = 12, 24
+_MIN_ITEM_BYTES = {GGUFValueType.STRING: 8, GGUFValueType.ARRAY: 12}
+MAX_ARRAY_DEPTH = 4  # arrays of arrays: real files nest none; a forged file could nest until the stack overflows
 
 
 @attrs.frozen
@@ -64,6 +70,12 @@ class _Cursor:
 
     def __init__(self, buf: memoryview, path: pathlib.Path):
         self.buf, self.pos, self.path = buf, 0, path
+        self.depth = 0
+
+    def expect(self, count: int, item_bytes: int) -> None:
+        """Refuse `count` items of at least `item_bytes` each that cannot fit in the rest of the file."""
+        if count * item_bytes > len(self.buf) - self.pos:
+            raise TruncatedGGUFError(f"{self.path}: the header claims {count} items, more than the file holds (corrupt or truncated?)")
 
     def take(self, fmt: str) -> Any:
         size = struct.calcsize(fmt)
@@ -98,6 +110,9 @@ class _Cursor:
     def array(self) -> list | np.ndarray:
         item_type = self.take("<I")
         count = self.take("<Q")
+        if item_type == GGUFValueType.ARRAY and self.depth >= MAX_ARRAY_DEPTH:
+            raise GGUFError(f"{self.path}: metadata arrays nested deeper than {MAX_ARRAY_DEPTH}; the file is corrupt")
+        self.expect(count, _MIN_ITEM_BYTES.get(item_type, 1))
         fmt = _SCALAR_FORMATS.get(GGUFValueType(item_type)) if item_type in GGUFValueType._value2member_map_ else None
         if fmt is not None:
             # Numeric arrays (token scores, types) are read in one go.
@@ -109,7 +124,11 @@ class _Cursor:
             return values
         if item_type == GGUFValueType.STRING:
             return [self.string() for _ in range(count)]
-        return [self.value(item_type) for _ in range(count)]
+        self.depth += 1
+        try:
+            return [self.value(item_type) for _ in range(count)]
+        finally:
+            self.depth -= 1
 
 
 @attrs.define
@@ -144,12 +163,16 @@ class GGUFFile:
         if version not in SUPPORTED_VERSIONS:
             raise GGUFError(f"{path}: GGUF version {version} is not supported (supported: {SUPPORTED_VERSIONS})")
         tensor_count, kv_count = cur.take("<Q"), cur.take("<Q")
+        cur.expect(kv_count, _MIN_KV_BYTES)
         metadata: dict[str, Any] = {}
         for _ in range(kv_count):
             key = cur.string()
             metadata[key] = cur.value(cur.take("<I"))
+        cur.expect(tensor_count, _MIN_TENSOR_INFO_BYTES)
         infos = [cls._tensor_info(cur) for _ in range(tensor_count)]
-        alignment = int(metadata.get("general.alignment", DEFAULT_ALIGNMENT))
+        alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+        if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+            raise GGUFError(f"{path}: general.alignment must be a positive power of two, not {alignment!r}; the file is corrupt")
         data_start = -(-cur.pos // alignment) * alignment
         tensors = {}
         for name, shape, qtype, rel in infos:
@@ -195,9 +218,9 @@ class GGUFFile:
     def raw(self, name: str) -> np.ndarray:
         """The tensor's bytes as a read-only uint8 array [rows, row_bytes] viewing the mapping."""
         info = self.tensors[name]
-        rows = int(np.prod(info.shape[:-1], dtype=np.int64)) if len(info.shape) > 1 else 1
+        rows = math.prod(info.shape[:-1]) if len(info.shape) > 1 else 1
         flat = np.frombuffer(self._mmap, dtype=np.uint8, count=info.nbytes, offset=info.offset)
-        return flat.reshape(rows, info.nbytes // rows)
+        return flat.reshape(rows, info.nbytes // rows if rows else 0)
 
     def drop_resident_pages(self) -> None:
         """Let the kernel drop this process's copy of the file's pages (they reload from the file when read).
@@ -216,7 +239,7 @@ def _nbytes(path: pathlib.Path, name: str, shape: tuple[int, ...], qtype: Any) -
     if qtype not in GGML_QUANT_SIZES:
         return 0
     block, type_size = GGML_QUANT_SIZES[qtype]
-    count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    count = math.prod(shape)  # Python integers: a forged shape cannot overflow into a small (or negative) size
     if shape and shape[-1] % block:
         raise GGUFError(f"{path}: tensor '{name}' row of {shape[-1]} is not a multiple of its block size {block}")
     return count // block * type_size

@@ -47,6 +47,7 @@ def estimate(
     backend = plugins.open_backend()
     config = config_from_gguf(model_class.Config, gguf, gguf.architecture)
     num_ctx = min(num_ctx, int(config.context_length))  # the runtime clamps it too
+    num_batch = max(1, min(num_batch, num_ctx))  # and the batch to the context
     weights = backend.resident_bytes(model_class.tensor_plan(gguf))
     return MemoryEstimate(
         weights=int(weights),

@@ -20,8 +20,9 @@ from typing import Any, ClassVar, Sequence
 
 import attrs
 import numpy as np
+from gguf import GGMLQuantizationType
 
-from corral.errors import GGUFError, MissingTensorError
+from corral.errors import GGUFError, MissingTensorError, UnsupportedTensorTypeError
 from corral.gguf import GGUFFile, TensorInfo
 
 _GGUF_KEY = "corral.gguf_key"
@@ -187,6 +188,29 @@ class TensorBinder:
             info = self.gguf.tensors[full_name]
             self.loaded[key] = None if self.backend is None else self.backend.load_tensor(self.gguf, info, role)
         return self.loaded[key]
+
+
+def check_binds(model_class: type[Model], gguf: GGUFFile) -> None:
+    """Raise a CorralError unless `gguf` binds to `model_class`, reading no weight: its metadata builds the
+    config, every tensor the architecture needs is present with a known type, and the embedding table is
+    `embedding_length` wide with one row per vocabulary token (what loading would find out later)."""
+    arch = gguf.architecture
+    try:
+        plan = model_class.tensor_plan(gguf)
+    except (TypeError, ValueError) as error:  # a metadata value of the wrong type, caught by the config class
+        raise GGUFError(f"{gguf.path}: the {arch} metadata is unusable: {error}") from None
+    for info, _ in plan:
+        if not isinstance(info.qtype, GGMLQuantizationType):
+            raise UnsupportedTensorTypeError(f"{gguf.path}: tensor '{info.name}' has unknown GGML type {info.qtype}")
+    embedding = gguf.tensors.get("token_embd.weight")
+    if embedding is None or len(embedding.shape) != 2:
+        return
+    tokens = gguf.get("tokenizer.ggml.tokens", ())
+    width, vocab = gguf.get(f"{arch}.embedding_length"), len(tokens) if isinstance(tokens, list) else 0
+    if isinstance(width, int) and embedding.shape[1] != width:
+        raise GGUFError(f"{gguf.path}: token_embd.weight is {embedding.shape[1]} wide but {arch}.embedding_length is {width}")
+    if vocab and embedding.shape[0] != vocab:
+        raise GGUFError(f"{gguf.path}: token_embd.weight has {embedding.shape[0]} rows but the vocabulary has {vocab} tokens")
 
 
 class Model:

@@ -247,3 +247,46 @@ def _describe(kind: type | str) -> str:
 def _show(value: Any) -> str:
     shown = repr(value)
     return f"{type(value).__name__} {shown[:60] + '...' if len(shown) > 60 else shown}"
+
+
+# --- the same declarations as JSON schema (/openapi.json): the schema rejects what parsing rejects ----------
+
+_KIND_SCHEMAS: dict[type | str, dict] = {
+    int: {"type": "integer"},
+    float: {"type": "number"},
+    bool: {"type": "boolean"},
+    str: {"type": "string"},
+    "strings": {"type": ["string", "array"], "items": {"type": "string"}},
+    "token_biases": {
+        "type": ["object", "array"],
+        "propertyNames": {"pattern": "^[+]?[0-9]+$"},
+        "additionalProperties": {"type": "number", "minimum": -MAX_LOGIT_BIAS, "maximum": MAX_LOGIT_BIAS},
+        "items": {
+            "type": "array", "minItems": 2, "maxItems": 2,
+            "prefixItems": [{"type": "integer", "minimum": 0}, {"type": "number", "minimum": -MAX_LOGIT_BIAS, "maximum": MAX_LOGIT_BIAS}],
+        },
+        "description": "Token id -> bias added to its logit (OpenAI's object, or llama.cpp's [[id, bias], ...])",
+    },
+}  # fmt: skip
+
+
+def value_schema(kind: type | str, check: Check | None = None) -> dict:
+    """The JSON schema of an option's values: its type and, where it has one, its range."""
+    schema = dict(_KIND_SCHEMAS.get(kind, {}))
+    if check is not None and check.lo is not None:
+        schema["exclusiveMinimum" if check.lo_exclusive else "minimum"] = check.lo
+    if check is not None and check.hi is not None:
+        schema["maximum"] = check.hi
+    return schema
+
+
+def options_schema(extra_fields: dict[str, tuple] | None = None) -> dict:
+    """The schema of a request's `options`: every standard option and each `(kind, default[, Check])` a sampler
+    declares, typed and ranged as `parse_options` checks them; unknown names are allowed (and ignored)."""
+    properties = {name: value_schema(field.metadata["kind"], field.metadata["check"]) for name, field in STANDARD_OPTIONS.items()}
+    for name, spec in (extra_fields or {}).items():
+        properties.setdefault(name, value_schema(spec[0], spec[2] if len(spec) > 2 else None))
+    return {
+        "type": "object", "properties": properties, "additionalProperties": True,
+        "description": "Model options; installed sampler plugins may declare more. Unknown names are ignored with a logged warning.",
+    }  # fmt: skip

@@ -24,7 +24,7 @@ from corral import memory
 from corral.discover import context_default, effective_num_ctx, system_info
 from corral.errors import CorralError, ModelNotFoundError
 from corral.modelfile import model_defaults
-from corral.options import LOAD_TIME_OPTIONS
+from corral.options import LOAD_TIME_OPTIONS, STANDARD_OPTIONS, parse_options
 from corral.registry import Plugins
 from corral.runner.interface import Runner
 from corral.runner.process import RunnerProcess
@@ -74,6 +74,8 @@ def parse_keep_alive(value: Any) -> float | None:
                 ) from None
             seconds = sum(float(number) * _UNITS[unit] for number, unit in parts)
     else:
+        raise InvalidKeepAliveError(f"keep_alive must be a duration like \"5m\" or a number of seconds, not {value!r}")
+    if math.isnan(seconds):  # float("nan") parses
         raise InvalidKeepAliveError(f"keep_alive must be a duration like \"5m\" or a number of seconds, not {value!r}")
     return math.inf if seconds < 0 else seconds
 
@@ -161,6 +163,7 @@ class Scheduler:
     async def use(self, name: str, options: dict | None = None, keep_alive: Any = None) -> AsyncIterator[Loaded]:
         """The loaded model for a request, kept loaded while the block runs and `keep_alive` after."""
         keep = parse_keep_alive(keep_alive)
+        options = checked_standard_options(options)
         if self.queued() >= self.max_queue:
             raise ServerBusyError("server busy, please try again.  maximum pending requests exceeded")
         self._starting += 1
@@ -324,3 +327,13 @@ async def _set_after(event: trio.Event, then: trio.Event) -> None:
 
 def _compatible(loaded: dict, wanted: dict) -> bool:
     return all(loaded.get(key) == value for key, value in wanted.items())
+
+
+def checked_standard_options(options: dict | None) -> dict:
+    """`options` with Ollama's own options validated and typed (InvalidOptionError naming the field), so a
+    negative num_ctx is a 400 before any runner sees it. Sampler plugins' options pass unchanged: the
+    runtime checks them against the chain that declares them."""
+    options = dict(options or {})
+    standard = {name: value for name, value in options.items() if name in STANDARD_OPTIONS and value is not None}
+    parsed = parse_options(standard)
+    return options | {name: parsed.get(name) for name in standard}

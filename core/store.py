@@ -114,6 +114,12 @@ class ModelName:
         return (self.host, self.namespace, self.model, self.tag)
 
 
+def name_pattern() -> str:
+    """The JSON-schema pattern of the names `parse_name` accepts, from the same expressions ([host/]ns/model[:tag])."""
+    host, part, tag = (re.sub("a-z", "a-zA-Z", expression.pattern) for expression in (_HOST, _PART, _TAG))
+    return f"^(?:(?:{host}/)?{part}/)?{part}(?::{tag})?$"
+
+
 def parse_name(name: str | ModelName) -> ModelName:
     """Parse and validate a model name, filling in the default host, namespace and tag."""
     if isinstance(name, ModelName):

@@ -20,13 +20,15 @@ from typing import Any
 import attrs
 
 from corral.convert import ConvertError, check_folder, convert_folder
-from corral.errors import CorralError, GGUFError, ModelNotFoundError
+from corral.errors import CorralError, GGUFError, MissingTensorError, ModelNotFoundError, UnknownArchitectureError, UnsupportedTensorTypeError
 from corral.gguf import GGUFFile
+from corral.model import check_binds
 from corral.modelfile.defaults import stored_parameters
 from corral.modelfile.syntax import IGNORED_PARAMETERS, Message, Modelfile, ModelfileError
 from corral.options import STANDARD_OPTIONS, InvalidOptionError, parse_options
 from corral.quantize import check_quantizable, quantize_to_blob
 from corral.quantize.presets import preset
+from corral.registry import Plugins
 from corral.store import (
     LICENSE_MEDIA_TYPE,
     MESSAGES_MEDIA_TYPE,
@@ -42,6 +44,7 @@ from corral.store import (
     parse_name,
 )
 from corral.template import TemplateError, compile_template
+from corral.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -158,17 +161,30 @@ def _check_quantize(path: Path, quantize: str | None) -> None:
 
 
 def _check_gguf(path: Path, what: str) -> None:
+    """The file must bind to an installed architecture (metadata, tensor names, shapes; no weight is read):
+    a model that could never load is refused here, not answered with an error by every later request."""
     try:
         gguf = GGUFFile.open(path)
         try:
-            gguf.architecture
+            check_binds(Plugins().architecture_for(gguf), gguf)
+            _check_tokenizer(gguf.metadata)
         finally:
             gguf.close()
-    except GGUFError as error:
+    except (GGUFError, UnknownArchitectureError, MissingTensorError, UnsupportedTensorTypeError) as error:
         reason = str(error).removeprefix(f"{path}: ")
         raise CreateModelError(f"{what} is not a usable GGUF model: {reason}") from None
     except OSError as error:
         raise CreateModelError(f"cannot read {what}: {error.strerror}") from None
+
+
+def _check_tokenizer(metadata: dict) -> None:
+    """The tokenizer must build from the file's metadata, as loading builds it (about a second for 262k tokens)."""
+    try:
+        Tokenizer.from_gguf(metadata)
+    except CorralError as error:
+        raise GGUFError(f"the tokenizer cannot be built: {error}") from None
+    except (KeyError, TypeError, ValueError, IndexError) as error:  # malformed tokenizer.* values
+        raise GGUFError(f"the tokenizer metadata is unusable ({type(error).__name__}: {error})") from None
 
 
 def create_model(store: Store, name: str | ModelName, spec: ModelSpec, progress: Progress | None = None) -> Manifest:

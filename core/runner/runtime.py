@@ -126,6 +126,8 @@ class Runtime:
             )
         if template:
             loaded = loaded.with_template(template)  # a model the caller passed in stays as it was
+        # As llama.cpp: a batch never exceeds the context, so a huge num_batch cannot size a huge buffer.
+        num_batch = max(1, min(num_batch, num_ctx, loaded.info.context_length))
         cache = await compute.run(new_cache, loaded, min(num_ctx, loaded.info.context_length), num_parallel, num_batch)
         async with trio.open_nursery() as nursery:
             runtime = cls(loaded, cache, nursery, plugins, num_parallel, num_ctx, num_batch)

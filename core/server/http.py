@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import re
 from typing import Any, AsyncIterator, Callable
 
 import quart
@@ -56,17 +57,41 @@ _STATUS_BY_ERROR: list[tuple[type[BaseException], int]] = [
 ]
 
 
+# Errors that mean a model in the store cannot be loaded: the message says what to do about it.
+_UNLOADABLE = (UnknownArchitectureError, UnsupportedTensorTypeError, MissingTensorError, GGUFError)
+_UNLOADABLE_ADVICE = "; re-create the model from a GGUF that `corral create` accepts, or pull it again"
+
+# An absolute file-system path of two or more parts (not one of the API's own routes): the store's
+# blobs, the server's files. Error bodies name what the client knows instead (a blob digest, a file name).
+_SERVER_PATH = re.compile(r"(?<![\w.~:/-])/(?!api/|v1/)[\w.@+~-]+(?:/[\w.@+~-]+)+/?")
+_BLOB_NAME = re.compile(r"sha256-([0-9a-f]{64})")
+
+
+def public_message(text: str) -> str:
+    """`text` with every server path replaced by its last part (a blob by its digest), for an error body."""
+
+    def last_part(match: re.Match) -> str:
+        name = match.group(0).rstrip("/").rsplit("/", 1)[-1]
+        return _BLOB_NAME.sub(r"sha256:\1", name)
+
+    return _SERVER_PATH.sub(last_part, text)
+
+
 def as_api_error(exc: BaseException) -> ApiError:
-    """The status and message a raised error becomes."""
+    """The status and message a raised error becomes; the message names no server path."""
     if isinstance(exc, ApiError):
-        return exc
+        return ApiError(exc.status, public_message(exc.message), exc.kind)
     for kind, status in _STATUS_BY_ERROR:
         if isinstance(exc, kind):
-            return ApiError(status, str(exc), "invalid_request_error" if status < 500 else "server_error")
+            message = public_message(str(exc)) + (_UNLOADABLE_ADVICE if isinstance(exc, _UNLOADABLE) else "")
+            return ApiError(status, message, "invalid_request_error" if status < 500 else "server_error")
     if isinstance(exc, CorralError):
-        return ApiError(400, str(exc))
+        return ApiError(400, public_message(str(exc)))
+    # Anything else is a bug: the traceback goes to the log; the response gets the first line of the message only,
+    # without server paths (a message that spans lines is usually a traceback or a dump).
     log.exception("unexpected error while serving a request", exc_info=exc)
-    return ApiError(500, f"internal error: {exc}", "server_error")
+    first = public_message(str(exc).strip().splitlines()[0][:300]) if str(exc).strip() else type(exc).__name__
+    return ApiError(500, f"internal error: {first}", "server_error")
 
 
 async def read_json() -> dict[str, Any]:

@@ -52,14 +52,24 @@ def _error_event(error: ApiError) -> dict:
     return {"error": {"message": error.message, "type": error.kind, "param": None, "code": None}}
 
 
-def _number(body: dict, name: str, lo: float, hi: float, default: float | None = None) -> float | None:
+# The ranges of OpenAI's numeric fields: the handlers check these, and /openapi.json publishes them.
+NUMBER_RANGES = {"temperature": (0, 2), "top_p": (0, 1), "frequency_penalty": (-2, 2), "presence_penalty": (-2, 2)}
+INTEGER_RANGES = {
+    "max_tokens": (1, None), "max_completion_tokens": (1, None), "top_logprobs": (0, MAX_TOP_LOGPROBS),
+    "logprobs": (0, MAX_TOP_LOGPROBS),  # /v1/completions' logprobs: how many alternatives (chat's is a boolean)
+}  # fmt: skip
+
+
+def _number(body: dict, name: str, default: float | None = None) -> float | None:
+    lo, hi = NUMBER_RANGES[name]
     value = field(body, name, (int, float), default)
     if value is not None and not (math.isfinite(value) and lo <= value <= hi):
         raise ApiError(400, f"{name} must be between {lo:g} and {hi:g}, got {value!r}")
     return value
 
 
-def _integer(body: dict, name: str, lo: int, hi: int | None = None, default: int | None = None) -> int | None:
+def _integer(body: dict, name: str, default: int | None = None) -> int | None:
+    lo, hi = INTEGER_RANGES[name]
     value = field(body, name, int, default)
     if value is not None and (value < lo or hi is not None and value > hi):
         bound = f"from {lo} to {hi}" if hi is not None else f"at least {lo}"
@@ -124,15 +134,15 @@ def _common(body: dict, default_max_tokens: int | None) -> dict[str, Any]:
     for name in ("n", "best_of"):
         if field(body, name, int, 1) != 1:
             raise ApiError(400, f"{name} must be 1: corral returns one choice per request")
-    max_tokens = _integer(body, "max_completion_tokens", 1)
+    max_tokens = _integer(body, "max_completion_tokens")
     if max_tokens is None:
-        max_tokens = _integer(body, "max_tokens", 1, default=default_max_tokens)
+        max_tokens = _integer(body, "max_tokens", default_max_tokens)
     options = {
         # OpenAI's defaults, not Ollama's: an absent temperature or top_p means 1.0.
-        "temperature": _number(body, "temperature", 0, 2, 1.0),
-        "top_p": _number(body, "top_p", 0, 1, 1.0),
-        "frequency_penalty": _number(body, "frequency_penalty", -2, 2),
-        "presence_penalty": _number(body, "presence_penalty", -2, 2),
+        "temperature": _number(body, "temperature", 1.0),
+        "top_p": _number(body, "top_p", 1.0),
+        "frequency_penalty": _number(body, "frequency_penalty"),
+        "presence_penalty": _number(body, "presence_penalty"),
         "seed": field(body, "seed", int),
         "stop": _stop(body),
         "num_predict": max_tokens,
@@ -300,7 +310,7 @@ async def chat_completions():
     parallel = field(body, "parallel_tool_calls", bool, True)
     think = _reasoning_effort(body)
     logprobs = field(body, "logprobs", bool, False)
-    top_logprobs = _integer(body, "top_logprobs", 0, MAX_TOP_LOGPROBS, 0)
+    top_logprobs = _integer(body, "top_logprobs", 0)
     if top_logprobs and not logprobs:
         raise ApiError(400, "top_logprobs requires logprobs to be true")
     req = _request(body, _common(body, None), logprobs, top_logprobs)
@@ -420,7 +430,7 @@ async def completions():
     prompt = _prompt(body)
     suffix = field(body, "suffix", str, "")
     echo = field(body, "echo", bool, False)
-    top_logprobs = _integer(body, "logprobs", 0, MAX_TOP_LOGPROBS)
+    top_logprobs = _integer(body, "logprobs")
     if echo and top_logprobs is not None:
         raise ApiError(400, "echo with logprobs is not supported yet: prompt tokens have no logprobs")
     req = _request(body, _common(body, COMPLETIONS_DEFAULT_MAX_TOKENS), top_logprobs is not None, top_logprobs or 0)

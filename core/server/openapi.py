@@ -12,6 +12,9 @@ from typing import Any
 import quart
 
 import corral
+from corral.options import options_schema
+from corral.server.openai import INTEGER_RANGES, MAX_TOP_LOGPROBS, NUMBER_RANGES, PASSED_OPTIONS
+from corral.store import name_pattern
 
 _RULE_ARGUMENT = re.compile(r"<(?:[^:<>]+:)?([^<>]+)>")  # <path:model> -> model
 UNDOCUMENTED = "undocumented"
@@ -32,41 +35,25 @@ def _object(properties: dict, required: tuple[str, ...] = (), **extra: Any) -> d
 
 _STR, _INT, _NUM, _BOOL = ({"type": t} for t in ("string", "integer", "number", "boolean"))
 _TIME = {"type": "string", "format": "date-time"}
+_MODEL = _STR | {"pattern": name_pattern(), "description": "[host/][namespace/]model[:tag]"}  # what the store accepts
+
+
+def _ranged(kind: dict, lo: float | None, hi: float | None) -> dict:
+    return kind | ({"minimum": lo} if lo is not None else {}) | ({"maximum": hi} if hi is not None else {})
+
 
 # --- schemas --------------------------------------------------------------------------------
-_UNIT = _NUM | {"minimum": 0, "maximum": 1}
-_LOGIT_BIAS = {
-    "type": ["object", "array"], "additionalProperties": _NUM | {"minimum": -100, "maximum": 100},
-    "description": "Token id -> bias added to its logit, from -100 to 100 (OpenAI's object, or llama.cpp's [[id, bias], ...])",
-}
-# The sampler options beyond Ollama's that the built-in sampler plugins declare (plugins/samplers/).
-_SAMPLER_OPTIONS = {
-    "mirostat": _INT | {"enum": [0, 1, 2], "description": "Mirostat version; replaces top_k, typical_p, top_p, min_p and xtc"},
-    "mirostat_tau": _NUM | {"minimum": 0}, "mirostat_eta": _NUM | {"minimum": 0},
-    "logit_bias": _LOGIT_BIAS,
-    "dry_multiplier": _NUM | {"minimum": 0}, "dry_base": _NUM | {"minimum": 1}, "dry_allowed_length": _INT | {"minimum": 0},
-    "dry_penalty_last_n": _INT | {"minimum": -1}, "dry_sequence_breakers": _array(_STR),
-    "xtc_probability": _UNIT, "xtc_threshold": _UNIT,
-}  # fmt: skip
-_OPTIONS = _object(
-    {
-        "num_ctx": _INT, "num_batch": _INT, "num_keep": _INT, "num_gpu": _INT, "num_thread": _INT,
-        "num_predict": _INT | {"description": "-1: until a stop; -2: fill the context"},
-        "temperature": _NUM, "top_k": _INT, "top_p": _NUM, "min_p": _NUM, "typical_p": _NUM,
-        "repeat_last_n": _INT, "repeat_penalty": _NUM, "presence_penalty": _NUM, "frequency_penalty": _NUM,
-        "seed": _INT, "stop": _array(_STR), "ignore_eos": _BOOL,
-    } | _SAMPLER_OPTIONS,
-    additionalProperties=True,
-    description="Model options; installed sampler plugins may declare more. Unknown names are ignored with a logged warning.",
-)
+# Options and the OpenAI sampling fields come from the declarations the handlers check against
+# (corral.options, the sampler plugins' `options`, corral.server.openai's ranges): one source of truth.
+_OPTIONS = options_schema()  # the installed samplers' options are added per document (`document`)
 _IMAGES = _array(_STR) | {"description": "Refused with 400 unless the model can see; no model corral runs can yet"}
 _TIMINGS = {
     "done_reason": _STR, "total_duration": _INT, "load_duration": _INT, "prompt_eval_count": _INT,
     "prompt_eval_duration": _INT, "eval_count": _INT, "eval_duration": _INT,
 }
 _GENERATION_COMMON = {
-    "model": _STR, "stream": _BOOL | {"default": True}, "options": _ref("Options"), "keep_alive": _ref("KeepAlive"),
-    "logprobs": _BOOL, "top_logprobs": _INT, "shift": _BOOL | {"default": True},
+    "model": _MODEL, "stream": _BOOL | {"default": True}, "options": _ref("Options"), "keep_alive": _ref("KeepAlive"),
+    "logprobs": _BOOL, "top_logprobs": _ranged(_INT, 0, MAX_TOP_LOGPROBS), "shift": _BOOL | {"default": True},
     "format": {"description": "\"json\" or a JSON schema"}, "think": {"type": ["boolean", "string"]},
     "truncate": _BOOL | {"const": True, "description": "false is refused: corral always shortens a prompt longer than the context"},
 }
@@ -90,17 +77,26 @@ _OPENAI_MESSAGE = _object(
      "tool_call_id": _STR, "reasoning_content": _STR},
     ("role",),
 )
+
+
+
 _OPENAI_SAMPLING = {
-    "model": _STR, "stream": _BOOL, "stream_options": _object({"include_usage": _BOOL}), "max_tokens": _INT,
-    "max_completion_tokens": _INT, "temperature": _NUM, "top_p": _NUM, "seed": _INT, "stop": {"type": ["string", "array"]},
-    "presence_penalty": _NUM, "frequency_penalty": _NUM, "logprobs": _BOOL, "top_logprobs": _INT,
+    "model": _MODEL, "stream": _BOOL, "stream_options": _object({"include_usage": _BOOL}), "seed": _INT,
+    "stop": {"type": ["string", "array"], "items": _STR}, "logprobs": _BOOL,
     "n": _INT | {"const": 1}, "best_of": _INT | {"const": 1},
-    # vLLM's and llama.cpp's extras, passed on as the options of the same names.
-    "top_k": _INT | {"minimum": -1, "description": "0 or -1: off"}, "min_p": _UNIT, "typical_p": _UNIT,
-    "repetition_penalty": _NUM | {"exclusiveMinimum": 0, "description": "vLLM's: over the whole context"},
-    "repeat_penalty": _NUM | {"exclusiveMinimum": 0}, "repeat_last_n": _INT | {"minimum": -1}, "ignore_eos": _BOOL,
     "modalities": _array({"const": "text"}), "min_tokens": _INT | {"const": 0},
-} | _SAMPLER_OPTIONS
+} | {name: _ranged(_NUM, *bounds) for name, bounds in NUMBER_RANGES.items()} | {
+    name: _ranged(_INT, *bounds) for name, bounds in INTEGER_RANGES.items() if name != "logprobs"
+}  # fmt: skip
+
+
+def openai_sampling_extras(options: dict) -> dict:
+    """vLLM's and llama.cpp's sampling fields, passed on as the options of the same names (`options`: the
+    Options schema's properties): top_k also takes vLLM's -1 (off); repetition_penalty is repeat_penalty's range."""
+    extras = {name: options[name] for name in PASSED_OPTIONS if name in options}
+    extras["top_k"] = options["top_k"] | {"minimum": -1, "description": "0 or -1: off"}
+    extras["repetition_penalty"] = options["repeat_penalty"] | {"description": "vLLM's: over the whole context"}
+    return extras
 _USAGE = _object({"prompt_tokens": _INT, "completion_tokens": _INT, "total_tokens": _INT})
 
 SCHEMAS: dict[str, dict] = {
@@ -139,7 +135,7 @@ SCHEMAS: dict[str, dict] = {
         ("model", "created_at", "message", "done"),
     ),
     "EmbedRequest": _object(
-        {"model": _STR, "input": {"type": ["string", "array"], "items": _STR}, "truncate": _BOOL, "dimensions": _INT,
+        {"model": _MODEL, "input": {"type": ["string", "array"], "items": _STR}, "truncate": _BOOL, "dimensions": _INT,
          "options": _ref("Options"), "keep_alive": _ref("KeepAlive")},
         ("model",),
     ),
@@ -148,14 +144,14 @@ SCHEMAS: dict[str, dict] = {
          "prompt_eval_count": _INT}
     ),
     "EmbeddingsRequest": _object(
-        {"model": _STR, "prompt": _STR, "options": _ref("Options"), "keep_alive": _ref("KeepAlive")}, ("model",)
+        {"model": _MODEL, "prompt": _STR, "options": _ref("Options"), "keep_alive": _ref("KeepAlive")}, ("model",)
     ),
     "EmbeddingsResponse": _object({"embedding": _array(_NUM)}),
     "ModelDetails": _DETAILS,
     "ModelEntry": _MODEL_ENTRY,
     "TagsResponse": _object({"models": _array(_ref("ModelEntry"))}, ("models",)),
-    "ModelRequest": _object({"model": _STR, "name": _STR | {"deprecated": True}}),
-    "ShowRequest": _object({"model": _STR, "name": _STR | {"deprecated": True}, "verbose": _BOOL}),
+    "ModelRequest": _object({"model": _MODEL, "name": _STR | {"deprecated": True}}),
+    "ShowRequest": _object({"model": _MODEL, "name": _STR | {"deprecated": True}, "verbose": _BOOL}),
     "ShowResponse": _object(
         {"license": _STR, "modelfile": _STR, "parameters": _STR, "template": _STR, "details": _ref("ModelDetails"),
          "model_info": {"type": "object", "additionalProperties": True}, "capabilities": _array(_STR),
@@ -167,26 +163,26 @@ SCHEMAS: dict[str, dict] = {
     ),
     "PsResponse": _object({"models": _array(_ref("RunningModel"))}, ("models",)),
     "CreateRequest": _object(
-        {"model": _STR, "from": _STR, "files": {"type": "object", "additionalProperties": _STR}, "adapters": {"type": "object"},
+        {"model": _MODEL, "from": _STR, "files": {"type": "object", "additionalProperties": _STR}, "adapters": {"type": "object"},
          "template": _STR, "license": {"type": ["string", "array"]}, "system": _STR, "parameters": {"type": "object"},
          "messages": _array(_ref("Message")), "quantize": _STR, "stream": _BOOL | {"default": True}},
         ("model",),
     ),
-    "CopyRequest": _object({"source": _STR, "destination": _STR}, ("source", "destination")),
+    "CopyRequest": _object({"source": _MODEL, "destination": _MODEL}, ("source", "destination")),
     "PullRequest": _object(
-        {"model": _STR, "name": _STR | {"deprecated": True}, "insecure": _BOOL, "stream": _BOOL | {"default": True}}
+        {"model": _MODEL, "name": _STR | {"deprecated": True}, "insecure": _BOOL, "stream": _BOOL | {"default": True}}
     ),
     "Progress": _PROGRESS,
     "VersionResponse": _object({"version": _STR}, ("version",)),
     "Health": _object({"status": {"const": "ok"}, "models_loaded": _INT}, ("status", "models_loaded")),
     "TokenizeRequest": _object(
-        {"model": _STR, "content": _STR, "text": _STR | {"description": "alias of content"},
+        {"model": _MODEL, "content": _STR, "text": _STR | {"description": "alias of content"},
          "prompt": _STR | {"description": "alias of content"}, "add_special": _BOOL | {"default": True},
          "keep_alive": _ref("KeepAlive")},
         ("model",),
     ),
     "TokenizeResponse": _object({"tokens": _array(_INT)}, ("tokens",)),
-    "DetokenizeRequest": _object({"model": _STR, "tokens": _array(_INT), "keep_alive": _ref("KeepAlive")}, ("model", "tokens")),
+    "DetokenizeRequest": _object({"model": _MODEL, "tokens": _array(_INT), "keep_alive": _ref("KeepAlive")}, ("model", "tokens")),
     "DetokenizeResponse": _object({"content": _STR}, ("content",)),
     "OpenAIMessage": _OPENAI_MESSAGE,
     "ChatCompletionRequest": _object(
@@ -206,7 +202,7 @@ SCHEMAS: dict[str, dict] = {
     ),
     "CompletionRequest": _object(
         _OPENAI_SAMPLING
-        | {"prompt": {"type": ["string", "array"]}, "echo": _BOOL,
+        | {"prompt": {"type": ["string", "array"]}, "echo": _BOOL, "logprobs": _ranged(_INT, *INTEGER_RANGES["logprobs"]),
            "suffix": _STR | {"description": "Fill in the middle through the model's template (.Suffix); 400 when it has none"}},
         ("model", "prompt"),
     ),
@@ -218,7 +214,7 @@ SCHEMAS: dict[str, dict] = {
         ("id", "object", "created", "model", "choices"),
     ),
     "OpenAIEmbeddingsRequest": _object(
-        {"model": _STR, "input": {"type": ["string", "array"]}, "encoding_format": {"enum": ["float", "base64"]},
+        {"model": _MODEL, "input": {"type": ["string", "array"]}, "encoding_format": {"enum": ["float", "base64"]},
          "dimensions": _INT},
         ("model", "input"),
     ),
@@ -239,12 +235,14 @@ def _json(schema: str) -> dict:
 
 
 def _error_responses(statuses: tuple[int, ...], openai: bool) -> dict:
+    # Every route may refuse a foreign Origin or Host (403) and, with CORRAL_API_KEY set, a missing key (401).
     return {str(status): {"description": _REASONS[status], "content": _json("OpenAIError" if openai else "Error")}
-            for status in statuses}
+            for status in (*statuses, 401, 403)}
 
 
 _REASONS = {
-    400: "Bad request", 404: "Model not found", 500: "Server error",
+    400: "Bad request", 401: "Missing or wrong API key (CORRAL_API_KEY)", 403: "Origin or Host not allowed",
+    404: "Model not found", 500: "Server error",
     502: "The model registry failed or sent something refused", 503: "Server busy",
 }  # fmt: skip
 
@@ -261,13 +259,18 @@ def _op(
     response_content: dict | None = None,
     request_content: dict | None = None,
     description: str = "",
+    links: dict | None = None,
 ) -> dict:
     """An operation with a JSON body (if `request`), a JSON response, and `stream` as its streaming media type."""
     openai = tag == "openai"
     content = response_content if response_content is not None else (_json(response) if response else None)
     if stream is not None and response:
-        content = {**content, stream: {"schema": _ref(response)}}
-    ok = {"description": "Success"} | ({"content": content} if content else {})
+        # A stream is a sequence of the response's objects (NDJSON lines, SSE events), the last of which may be
+        # an error object when the failure came after streaming began.
+        error = _ref("OpenAIError" if openai else "Error")
+        content = {**content, stream: {"schema": _array({"anyOf": [_ref(response), error]}) | {
+            "description": f"Each {'event' if stream == _SSE else 'line'} one item; an error after streaming began is the last"}}}
+    ok = {"description": "Success"} | ({"content": content} if content else {}) | ({"links": links} if links else {})
     op = {"summary": summary, "tags": [tag], "responses": {status: ok} | _error_responses(errors, openai)}
     if description:
         op["description"] = description
@@ -277,6 +280,24 @@ def _op(
 
 
 _NDJSON, _SSE = "application/x-ndjson", "text/event-stream"
+
+
+def _uses_model(pointer: str, **extra: str) -> dict:
+    """Links from a response naming a model (at JSON pointer `pointer`) to the operations that take one."""
+    model = f"$response.body#{pointer}"
+    targets = {"post_api_show": {}, "post_api_chat": {}, "post_api_generate": {}, "post_api_tokenize": {},
+               "post_api_embed": {}, "post_api_copy": None, "delete_api_delete": {}}  # fmt: skip
+    links = {}
+    for operation, body in targets.items():
+        request = {"source": model, "destination": "copied"} if body is None else {"model": model} | extra
+        links[operation.removeprefix("post_").removeprefix("delete_")] = {"operationId": operation, "requestBody": request}
+    return links
+
+
+_TAGS_LINKS = _uses_model("/models/0/name")
+_OPENAI_MODELS_LINKS = {"get_model": {"operationId": "get_v1_models_model", "parameters": {"model": "$response.body#/data/0/id"}}}
+_TOKENIZE_LINKS = {"detokenize": {"operationId": "post_api_detokenize",
+                                  "requestBody": {"model": "$request.body#/model", "tokens": "$response.body#/tokens"}}}
 
 # Keyed by path shape (arguments reduced to "{}", so the argument's name does not matter) and method.
 OPERATIONS: dict[tuple[str, str], dict] = {
@@ -302,7 +323,7 @@ OPERATIONS: dict[tuple[str, str], dict] = {
     ("/api/chat", "post"): _op("Generate the next chat message", "ollama", "ChatRequest", "ChatResponse", stream=_NDJSON),
     ("/api/embed", "post"): _op("Embed inputs", "ollama", "EmbedRequest", "EmbedResponse"),
     ("/api/embeddings", "post"): _op("Embed one prompt (legacy)", "ollama", "EmbeddingsRequest", "EmbeddingsResponse"),
-    ("/api/tags", "get"): _op("Models in the store", "ollama", response="TagsResponse", errors=(500,)),
+    ("/api/tags", "get"): _op("Models in the store", "ollama", response="TagsResponse", errors=(500,), links=_TAGS_LINKS),
     ("/api/show", "post"): _op("Describe a model", "ollama", "ShowRequest", "ShowResponse"),
     ("/api/ps", "get"): _op("Loaded models", "ollama", response="PsResponse", errors=(500,)),
     ("/api/create", "post"): _op("Create a model", "ollama", "CreateRequest", "Progress", stream=_NDJSON),
@@ -316,12 +337,12 @@ OPERATIONS: dict[tuple[str, str], dict] = {
         "Upload a blob", "ollama", status="201", errors=(400, 500),
         request_content={"application/octet-stream": {"schema": {"type": "string", "contentMediaType": "application/octet-stream"}}},
     ),
-    ("/api/tokenize", "post"): _op("Token ids of a text", "corral", "TokenizeRequest", "TokenizeResponse"),
+    ("/api/tokenize", "post"): _op("Token ids of a text", "corral", "TokenizeRequest", "TokenizeResponse", links=_TOKENIZE_LINKS),
     ("/api/detokenize", "post"): _op("Text of token ids", "corral", "DetokenizeRequest", "DetokenizeResponse"),
     ("/v1/chat/completions", "post"): _op("Chat completion", "openai", "ChatCompletionRequest", "ChatCompletion", stream=_SSE),
     ("/v1/completions", "post"): _op("Text completion", "openai", "CompletionRequest", "Completion", stream=_SSE),
     ("/v1/embeddings", "post"): _op("Embeddings", "openai", "OpenAIEmbeddingsRequest", "OpenAIEmbeddings"),
-    ("/v1/models", "get"): _op("Models in the store", "openai", response="OpenAIModelList", errors=(500,)),
+    ("/v1/models", "get"): _op("Models in the store", "openai", response="OpenAIModelList", errors=(500,), links=_OPENAI_MODELS_LINKS),
     ("/v1/models/{}", "get"): _op("One model", "openai", response="OpenAIModel", errors=(404, 500)),
 }
 
@@ -377,5 +398,21 @@ def document(app: quart.Quart) -> dict:
             {"name": "meta", "description": "Server status and description"},
         ],
         "paths": paths,
-        "components": {"schemas": SCHEMAS},
+        "components": {"schemas": schemas(sampler_options(app))},
     }
+
+
+def sampler_options(app: quart.Quart) -> dict[str, tuple]:
+    """The options the app's installed sampler plugins declare, each `(kind, default[, Check])`."""
+    plugins = app.extensions["corral"].scheduler.plugins
+    return {name: spec for cls in plugins.samplers().values() for name, spec in getattr(cls, "options", {}).items()}
+
+
+def schemas(extra_options: dict[str, tuple]) -> dict[str, dict]:
+    """SCHEMAS with the options (and the OpenAI fields passed on as options) the samplers declare."""
+    options = options_schema(extra_options)
+    extras = openai_sampling_extras(options["properties"])
+    out = SCHEMAS | {"Options": options}
+    for name in ("ChatCompletionRequest", "CompletionRequest"):
+        out[name] = SCHEMAS[name] | {"properties": extras | SCHEMAS[name]["properties"]}
+    return out

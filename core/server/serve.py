@@ -14,6 +14,7 @@ from corral.discover import describe, system_info
 from corral.logs import log_environment
 from corral.scheduler import Scheduler
 from corral.server.app import create_app
+from corral.server.guard import Guard, exposure_warning
 from corral.store import Store, default_store
 
 log = logging.getLogger(__name__)
@@ -38,7 +39,10 @@ async def serve(
         config.accesslog = None
         config.errorlog = logging.getLogger("hypercorn.error")  # through corral's structured handler
         config.graceful_timeout = 1.0
-        app = create_app(scheduler, store, nursery)
+        guard = Guard.from_env(host)
+        if warning := exposure_warning(host, guard.api_key):
+            log.warning("%s", warning)
+        app = create_app(scheduler, store, nursery, guard)
         binds = await nursery.start(hypercorn_serve, app, config)
         log.info("corral listening on %s", binds)
         task_status.started(binds[0].removeprefix("http://") if binds else f"{host}:{port}")
