@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import pathlib
 import sys
 
@@ -52,9 +53,16 @@ def main() -> None:
 
 
 @main.command()
-def serve() -> None:
+@click.option(
+    "--tensor-parallel", type=click.IntRange(min=1), default=None, envvar="CORRAL_TENSOR_PARALLEL",
+    help="Split each model over N rank processes (torch.distributed, gloo on CPU); a request's tensor_parallel option wins.",
+)
+def serve(tensor_parallel: int | None) -> None:
     """Serve the Ollama and OpenAI APIs (CORRAL_HOST, default 127.0.0.1:11434)."""
     import trio
+
+    if tensor_parallel is not None:
+        os.environ["CORRAL_TENSOR_PARALLEL"] = str(tensor_parallel)  # the scheduler's default, as if set by the user
 
     from corral.logs import setup_logging
     from corral.address import address_from_env
