@@ -78,3 +78,49 @@ async def test_a_killed_rank_ends_the_runtime_with_a_clear_error(tmp_path):
                     async for _ in stream:
                         pass
     assert raised.group_contains(RankFailedError, match="rank 1 .exit code -9")
+
+
+def test_smollm2_over_three_ranks_matches_one_process(smollm2_path):
+    # 9 heads over 3 KV heads: 3 query heads and 1 KV head a rank; 576 / 3 and 1536 / 3 keep whole blocks.
+    whole = load_model(smollm2_path, precision="fp32")
+    split = load_model(smollm2_path, precision="fp32", tensor_parallel=3)
+    try:
+        ids = whole.tokenize("The capital of France is")
+        expected, got = whole.logits(ids), split.logits(ids)
+        assert np.abs(got - expected).max() < 1e-4 * np.abs(expected).max()
+        assert got.argmax(-1).tolist() == expected.argmax(-1).tolist()
+        assert list(whole.generate("Name a colour.", max_tokens=16)) == list(split.generate("Name a colour.", max_tokens=16))
+    finally:
+        split.close()
+
+
+def children(pid: int) -> list[int]:
+    """The processes `pid` started, from /proc."""
+    found = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            found += [int(c) for c in f.read().split()]
+    return found
+
+
+def cmdline(pid: int) -> str:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read().replace(b"\0", b" ").decode()
+
+
+async def test_a_killed_rank_takes_its_runner_process_down_and_the_scheduler_sees_it(tmp_path):
+    from corral.runner.process import RunnerDiedError, RunnerProcess
+
+    path = write_tiny_llama(tmp_path / "tiny.gguf")
+    async with RunnerProcess.open(path, tensor_parallel=2, num_parallel=1, num_ctx=64) as runner:
+        # Rank 1 is forked by the runner's forkserver.
+        (forkserver,) = [pid for pid in children(runner.pid) if "forkserver" in cmdline(pid)]
+        (rank,) = children(forkserver)
+        os.kill(rank, signal.SIGKILL)
+        with trio.fail_after(60):
+            with pytest.raises(RunnerDiedError):
+                async with runner.generate("the cat sat", dict(GREEDY), raw=True) as stream:
+                    async for _ in stream:
+                        pass
+            await runner.exited.wait()  # what the scheduler watches to drop the model
+        assert not runner.alive
