@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"RANK must be between 1 and WORLD_SIZE - 1 ({world - 1}); rank 0 is the process serving the model")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     load = dict(name_or_path=args.model, precision=args.precision, backend=None, device=args.device, num_thread=args.num_thread)
-    serve_rank(rank, world, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), load, args.split)
+    serve_rank(rank, world, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), load, args.split, local=False)
     return 0
 
 

@@ -24,6 +24,7 @@ import logging
 import multiprocessing.connection
 import os
 import pickle
+import socket
 import threading
 import time
 import weakref
@@ -50,6 +51,24 @@ def _context() -> Any:
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["corral.parallel.ranks"])
     return ctx
+
+
+def _listener(host: str, port: int) -> socket.socket:
+    """The rank-0 store's listening socket, bound to `host` only (TCPStore alone would listen on every interface)."""
+    listener = socket.create_server((host, port), backlog=64)
+    listener.set_inheritable(False)
+    return listener
+
+
+def _group(store: Any, rank: int, world: int, local: bool) -> Any:
+    """The gloo process group of all ranks; on one machine its sockets are bound to 127.0.0.1 only."""
+    prefixed = dist.PrefixStore("ranks", store)
+    if not local:  # across hosts: gloo's own choice of interface (GLOO_SOCKET_IFNAME, else the hostname's)
+        return dist.ProcessGroupGloo(prefixed, rank, world, IDLE_TIMEOUT)
+    options = dist.ProcessGroupGloo._Options()
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    options._timeout = IDLE_TIMEOUT
+    return dist.ProcessGroupGloo(prefixed, rank, world, options)
 
 
 def _broadcast(group: Any, payload: bytes | None) -> bytes:
@@ -89,12 +108,16 @@ class RankGroup:
         self.world = world
         host, port = master or ("127.0.0.1", 0)
         timeout = datetime.timedelta(seconds=START_TIMEOUT)
-        self.store = dist.TCPStore(host, port, world, is_master=True, timeout=timeout, wait_for_workers=False)
+        self._listener = _listener(host, port)
+        port = self._listener.getsockname()[1]
+        self.store = dist.TCPStore(
+            host, port, world, is_master=True, timeout=timeout, wait_for_workers=False, master_listen_fd=self._listener.fileno()
+        )
         self.processes = []
         if master is None:
             ctx = _context()
             self.processes = [
-                ctx.Process(target=serve_rank, args=(rank, world, host, self.store.port, load, split), daemon=True) for rank in range(1, world)
+                ctx.Process(target=serve_rank, args=(rank, world, host, port, load, split), daemon=True) for rank in range(1, world)
             ]
             for process in self.processes:
                 process.start()
@@ -103,7 +126,7 @@ class RankGroup:
         self._lock = threading.Lock()  # cache changes are queued from the event loop's thread and the compute thread
         self._next_cache = 0
         self.failed: str | None = None
-        group = dist.ProcessGroupGloo(dist.PrefixStore("ranks", self.store), 0, world, IDLE_TIMEOUT)
+        group = _group(self.store, 0, world, local=master is None)
         self.group = group
         self.role = rank_role(split, 0, world, group, load, on_failure=self._fail)
 
@@ -174,6 +197,7 @@ class RankGroup:
         for process in self.processes:
             process.join(max(0.0, deadline - time.monotonic()))
         self._finalizer()
+        self._listener.close()
 
 
 def _stop_processes(processes: list[Any]) -> None:
@@ -186,12 +210,15 @@ def _stop_processes(processes: list[Any]) -> None:
 # --- ranks 1..N-1 ------------------------------------------------------------------------------
 
 
-def serve_rank(rank: int, world: int, host: str, port: int, load: dict[str, Any], split: str = "tensor") -> None:
-    """A rank process: join the group at host:port, load this rank's part, replay rank 0's ops until told to stop."""
+def serve_rank(rank: int, world: int, host: str, port: int, load: dict[str, Any], split: str = "tensor", local: bool = True) -> None:
+    """A rank process: join the group at host:port, load this rank's part, replay rank 0's ops until told to stop.
+
+    `local`: every rank is on this machine (started by rank 0), so the group binds to 127.0.0.1.
+    """
     from corral.engine import load_model
 
     store = dist.TCPStore(host, port, world, is_master=False, timeout=datetime.timedelta(seconds=START_TIMEOUT))
-    group = dist.ProcessGroupGloo(dist.PrefixStore("ranks", store), rank, world, IDLE_TIMEOUT)
+    group = _group(store, rank, world, local)
     try:
         model = load_model(**load, **rank_role(split, rank, world, group, load))
     except Exception as e:  # the load's error goes back to rank 0, which raises it
