@@ -17,7 +17,8 @@ import trio
 from corral.engine import load_model
 from corral.parallel.shards import RankFailedError, TensorParallelError
 from corral.runner.runtime import Runtime
-from split_models import GREEDY, PROMPT, greedy_tokens
+from conftest import TINY_LLAMA
+from split_models import GREEDY, PROMPT, PROMPTS, greedy_tokens
 from tiny_gguf import write_tiny_llama
 
 
@@ -52,6 +53,29 @@ def test_split_logits_match_one_process(split):
 async def test_split_greedy_tokens_match_one_process_batched(split):
     _, _, whole, parallel = split
     assert await greedy_tokens(parallel) == await greedy_tokens(whole)
+
+
+async def test_a_cancelled_request_leaves_the_split_model_serving(split):
+    _, _, whole, parallel = split
+    expected = (await greedy_tokens(whole))[PROMPTS.index("a")]
+    async with Runtime.open(parallel, num_parallel=2, num_ctx=64) as rt:
+        async with rt.generate("the cat sat", dict(GREEDY, num_predict=40), raw=True) as stream:
+            async for _ in stream:
+                break  # leaving the block cancels the sequence mid-generation; its cells are freed on every rank
+        async with rt.generate("a", dict(GREEDY), raw=True) as stream:
+            assert [t async for chunk in stream for t in chunk.token_ids] == expected
+
+
+async def test_the_scheduler_splits_by_the_environment_and_the_request_option(tiny_store_root, monkeypatch, nursery):
+    from corral.scheduler import Scheduler
+    from corral.store import Store
+
+    monkeypatch.setenv("CORRAL_TENSOR_PARALLEL", "2")
+    scheduler = await nursery.start(Scheduler(Store(tiny_store_root), runner="inprocess").run)
+    async with scheduler.use(TINY_LLAMA) as entry:
+        assert entry.runtime.model.ranks.world == 2
+    async with scheduler.use(TINY_LLAMA, {"tensor_parallel": 1}) as entry:  # a load-time option: reloaded whole
+        assert entry.runtime.model.ranks is None
 
 
 def test_kv_cache_holds_only_the_ranks_heads(split):
