@@ -85,6 +85,36 @@ def test_kv_cache_holds_only_the_ranks_heads(split):
     assert local.keys[0].shape[0] == max(1, kv_heads // ranks)
 
 
+LOOPBACK = {"0100007F", "0000000000000000FFFF00000100007F", "00000000000000000000000001000000"}  # /proc/net/tcp{,6}'s hex
+
+
+def listening_addresses(pids: list[int]) -> list[str]:
+    """The local addresses (as /proc/net/tcp writes them) of the TCP sockets these processes listen on."""
+    inodes = set()
+    for pid in pids:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[len("socket:[") : -1])
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and fields[9] in inodes:  # state LISTEN
+                    found.append(fields[1].split(":")[0])
+    return found
+
+
+def test_ranks_listen_on_loopback_only(split):
+    _, _, _, parallel = split
+    addresses = listening_addresses([os.getpid(), *parallel.ranks.pids])
+    assert addresses and set(addresses) <= LOOPBACK
+
+
 def test_heads_that_do_not_split_are_refused(tmp_path):
     path = write_tiny_llama(tmp_path / "tiny.gguf")  # 4 heads: not over 3 ranks
     with pytest.raises(TensorParallelError, match="does not divide the model's 4 attention heads"):
