@@ -209,6 +209,8 @@ class Runtime:
         `truncate` is false. `dimensions` keeps the first features; `normalized` scales to unit length.
         """
         pooling = self.model.model.pooling
+        if pooling is not None and self.model.ranks is not None:
+            raise EmbeddingsUnsupportedError(f"{self.info.name} is split over processes, which embeddings do not support yet; load it whole to embed")
         if self.embedder is None or pooling not in POOLINGS:
             how = f" (it pools by {pooling!r}, which corral does not do)" if pooling else "; use an embedding model"
             raise EmbeddingsUnsupportedError(f"{self.info.name} does not support embeddings{how}")
