@@ -141,7 +141,8 @@ def test_smollm2_over_three_ranks_matches_one_process(smollm2_path):
     try:
         ids = whole.tokenize("The capital of France is")
         expected, got = whole.logits(ids), split.logits(ids)
-        assert np.abs(got - expected).max() < 1e-4 * np.abs(expected).max()
+        # 30 blocks of reassociated float32 sums: 4.8e-5 apart at most on logits up to 27 (measured), 1e-5 of their scale.
+        assert np.abs(got - expected).max() < 1e-5 * np.abs(expected).max()
         assert got.argmax(-1).tolist() == expected.argmax(-1).tolist()
         assert list(whole.generate("Name a colour.", max_tokens=16)) == list(split.generate("Name a colour.", max_tokens=16))
     finally:
