@@ -134,6 +134,7 @@ class Scheduler:
         default_num_ctx: int | None = None,
         runner: str | None = None,
         tensor_parallel: int | None = None,
+        pipeline_parallel: int | None = None,
     ):
         self.store = store or default_store()
         self.plugins = plugins or Plugins()
@@ -144,8 +145,9 @@ class Scheduler:
         self.max_queue = int(os.environ.get("CORRAL_MAX_QUEUE", DEFAULT_MAX_QUEUE))
         self.max_loaded = max(1, int(os.environ.get("CORRAL_MAX_LOADED_MODELS", DEFAULT_MAX_LOADED_MODELS)))
         self.runner = runner or os.environ.get("CORRAL_RUNNER", "process")
-        # Ranks each model is split over unless a request's `tensor_parallel` option says otherwise.
+        # Ranks (stages) each model is split over unless a request's `tensor_parallel` (`pipeline_parallel`) option says otherwise.
         self.tensor_parallel = tensor_parallel or _positive_env("CORRAL_TENSOR_PARALLEL", 1)
+        self.pipeline_parallel = pipeline_parallel or _positive_env("CORRAL_PIPELINE_PARALLEL", 1)
         if self.runner not in RUNNERS:
             raise CorralError(f"CORRAL_RUNNER must be one of {', '.join(RUNNERS)}, not {self.runner!r}")
         self.loaded: dict[str, Loaded] = {}
@@ -282,10 +284,13 @@ class Scheduler:
         """The model's runner: a child process by default (a native crash cannot take the server down), or in-process."""
         sizes = dict(num_parallel=self.num_parallel, num_ctx=num_ctx, num_batch=num_batch)
         num_thread = load_options.get("num_thread") or 0
-        tensor_parallel = load_options.get("tensor_parallel") or self.tensor_parallel
+        splits = dict(
+            tensor_parallel=load_options.get("tensor_parallel") or self.tensor_parallel,
+            pipeline_parallel=load_options.get("pipeline_parallel") or self.pipeline_parallel,
+        )
         if self.runner == "inprocess":
-            return Runtime.open(str(path), **sizes, plugins=self.plugins, template=template, num_thread=num_thread, tensor_parallel=tensor_parallel)
-        return RunnerProcess.open(path, **sizes, template=template, num_thread=num_thread, tensor_parallel=tensor_parallel)
+            return Runtime.open(str(path), **sizes, plugins=self.plugins, template=template, num_thread=num_thread, **splits)
+        return RunnerProcess.open(path, **sizes, template=template, num_thread=num_thread, **splits)
 
     def _template(self, name: str) -> str | None:
         """A Modelfile TEMPLATE to use instead of the file's (Jinja or Go), checked before any runner starts."""

@@ -18,6 +18,7 @@ import pytest
 from corral.engine import load_model
 from corral.parallel.pipeline import stage_blocks
 from corral.parallel.shards import TensorParallelError
+from conftest import TINY_LLAMA
 from split_models import PROMPT, greedy_tokens
 from tiny_gguf import write_tiny_llama
 
@@ -72,3 +73,14 @@ async def test_a_stage_launched_torchrun_style_serves_the_second_half(tiny):
     finally:
         stage.kill()
         stage.wait()
+
+
+async def test_the_scheduler_splits_into_stages_by_the_request_option(tiny_store_root, nursery):
+    from corral.scheduler import Scheduler
+    from corral.store import Store
+
+    scheduler = await nursery.start(Scheduler(Store(tiny_store_root), runner="inprocess").run)
+    async with scheduler.use(TINY_LLAMA, {"pipeline_parallel": 2}) as entry:
+        assert entry.runtime.model.model.stage.blocks == range(0, 1)  # the tiny llama's 2 blocks, one a stage
+        async with entry.runtime.generate("the cat sat", {"temperature": 0, "num_predict": 4, "ignore_eos": True}, raw=True) as stream:
+            assert len([t async for chunk in stream for t in chunk.token_ids]) == 4

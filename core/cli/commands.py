@@ -57,12 +57,18 @@ def main() -> None:
     "--tensor-parallel", type=click.IntRange(min=1), default=None, envvar="CORRAL_TENSOR_PARALLEL",
     help="Split each model over N rank processes (torch.distributed, gloo on CPU); a request's tensor_parallel option wins.",
 )
-def serve(tensor_parallel: int | None) -> None:
+@click.option(
+    "--pipeline-parallel", type=click.IntRange(min=1), default=None, envvar="CORRAL_PIPELINE_PARALLEL",
+    help="Split each model's blocks into N stages, one process each; a request's pipeline_parallel option wins.",
+)
+def serve(tensor_parallel: int | None, pipeline_parallel: int | None) -> None:
     """Serve the Ollama and OpenAI APIs (CORRAL_HOST, default 127.0.0.1:11434)."""
     import trio
 
-    if tensor_parallel is not None:
-        os.environ["CORRAL_TENSOR_PARALLEL"] = str(tensor_parallel)  # the scheduler's default, as if set by the user
+    # The scheduler's defaults, as if the user had set them.
+    for key, value in (("CORRAL_TENSOR_PARALLEL", tensor_parallel), ("CORRAL_PIPELINE_PARALLEL", pipeline_parallel)):
+        if value is not None:
+            os.environ[key] = str(value)
 
     from corral.logs import setup_logging
     from corral.address import address_from_env
