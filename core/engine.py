@@ -215,9 +215,11 @@ def load_model(
     `close()` stops them. `parallel` / `stage` are a rank's own place in such a split
     (corral.parallel), given by the rank processes themselves.
     """
-    if tensor_parallel > 1 and pipeline_parallel > 1:
-        raise ValueError("tensor_parallel and pipeline_parallel do not combine yet; choose one")
     if tensor_parallel > 1 or pipeline_parallel > 1:
+        if tensor_parallel > 1 and pipeline_parallel > 1:
+            from corral.parallel.shards import check_split
+
+            check_split(name_or_path, tensor_parallel, pipeline_parallel)  # raises: they do not combine
         split, world = ("tensor", tensor_parallel) if tensor_parallel > 1 else ("pipeline", pipeline_parallel)
         return _load_split(name_or_path, split, world, master, precision, backend, device, plugins, num_thread)
     plugins = plugins or Plugins()
@@ -261,20 +263,12 @@ def _load_split(
     num_thread: int,
 ) -> LoadedModel:
     """Rank 0's load of a model split over `world` processes: start (or await) the other ranks, load this rank's part, wait for theirs."""
-    from corral.parallel.pipeline import stage_blocks
     from corral.parallel.ranks import RankGroup
-    from corral.parallel.shards import check_heads
+    from corral.parallel.shards import check_split
 
     start = time.perf_counter()
     path = resolve_model_path(name_or_path)
-    gguf = GGUFFile.open(path)
-    try:  # a split that cannot work fails before any process starts
-        if split == "tensor":
-            check_heads(gguf, world)
-        else:
-            stage_blocks(int(gguf.metadata[f"{gguf.architecture}.block_count"]), world, 0)
-    finally:
-        gguf.close()
+    check_split(path, **{f"{split}_parallel": world})  # a split that cannot work fails before any process starts
     # Tensor-parallel ranks compute at once: by default they share the cores rather than each taking all of them.
     threads = num_thread or (max(1, (os.cpu_count() or 1) // world) if split == "tensor" and master is None else 0)
     load = dict(name_or_path=str(path), precision=precision, backend=backend, device=device, num_thread=threads)

@@ -25,6 +25,7 @@ from corral.discover import context_default, effective_num_ctx, system_info
 from corral.errors import CorralError, ModelNotFoundError
 from corral.modelfile import model_defaults
 from corral.options import LOAD_TIME_OPTIONS
+from corral.parallel.shards import check_split
 from corral.registry import Plugins
 from corral.runner.interface import Runner
 from corral.runner.process import RunnerProcess
@@ -261,6 +262,7 @@ class Scheduler:
             num_ctx = entry.load_options.get("num_ctx") or self.default_num_ctx
             num_batch = entry.load_options.get("num_batch") or 512
             template = await trio.to_thread.run_sync(self._template, entry.name)
+            await trio.to_thread.run_sync(check_split, entry.path, *self._splits(entry.load_options).values())  # a clear 400 before any runner starts
             async with self._open_runtime(entry.path, entry.load_options, num_ctx, num_batch, template) as runtime:
                 # The runner clamps to the trained context, known only now; this says so when a request asked for more.
                 effective_num_ctx(
@@ -284,13 +286,17 @@ class Scheduler:
         """The model's runner: a child process by default (a native crash cannot take the server down), or in-process."""
         sizes = dict(num_parallel=self.num_parallel, num_ctx=num_ctx, num_batch=num_batch)
         num_thread = load_options.get("num_thread") or 0
-        splits = dict(
-            tensor_parallel=load_options.get("tensor_parallel") or self.tensor_parallel,
-            pipeline_parallel=load_options.get("pipeline_parallel") or self.pipeline_parallel,
-        )
+        splits = self._splits(load_options)
         if self.runner == "inprocess":
             return Runtime.open(str(path), **sizes, plugins=self.plugins, template=template, num_thread=num_thread, **splits)
         return RunnerProcess.open(path, **sizes, template=template, num_thread=num_thread, **splits)
+
+    def _splits(self, load_options: dict) -> dict[str, int]:
+        """How many processes the model is split over: the request's options, else the server's defaults."""
+        return dict(
+            tensor_parallel=load_options.get("tensor_parallel") or self.tensor_parallel,
+            pipeline_parallel=load_options.get("pipeline_parallel") or self.pipeline_parallel,
+        )
 
     def _template(self, name: str) -> str | None:
         """A Modelfile TEMPLATE to use instead of the file's (Jinja or Go), checked before any runner starts."""

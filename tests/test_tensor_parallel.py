@@ -78,6 +78,17 @@ async def test_the_scheduler_splits_by_the_environment_and_the_request_option(ti
         assert entry.runtime.model.ranks is None
 
 
+async def test_the_scheduler_refuses_a_split_the_model_cannot_take_before_starting_a_runner(tiny_store_root, nursery):
+    from corral.scheduler import Scheduler
+    from corral.store import Store
+
+    scheduler = await nursery.start(Scheduler(Store(tiny_store_root), runner="process").run)
+    with trio.fail_after(5):  # no runner process started: it would take longer
+        with pytest.raises(TensorParallelError, match="does not divide the model's 4 attention heads"):
+            async with scheduler.use(TINY_LLAMA, {"tensor_parallel": 3}):
+                pass
+
+
 def test_kv_cache_holds_only_the_ranks_heads(split):
     _, ranks, whole, parallel = split
     full, local = whole.new_cache(8), parallel.new_cache(8)

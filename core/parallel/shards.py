@@ -138,6 +138,24 @@ class TensorParallel:
         return wide if wide is tensor else wide.to(tensor.dtype)
 
 
+def check_split(path: Any, tensor_parallel: int = 1, pipeline_parallel: int = 1) -> None:
+    """Refuse, from the GGUF's metadata alone (before any process starts), a split its model cannot take."""
+    from corral.parallel.pipeline import stage_blocks
+
+    if tensor_parallel > 1 and pipeline_parallel > 1:
+        raise TensorParallelError("tensor_parallel and pipeline_parallel do not combine yet; choose one")
+    if tensor_parallel == pipeline_parallel == 1:
+        return
+    gguf = GGUFFile.open(path)
+    try:
+        if tensor_parallel > 1:
+            check_heads(gguf, tensor_parallel)
+        else:
+            stage_blocks(int(gguf.metadata[f"{gguf.architecture}.block_count"]), pipeline_parallel, 0)
+    finally:
+        gguf.close()
+
+
 def check_heads(gguf: GGUFFile, world: int) -> None:
     """Refuse, from the metadata alone (before any rank starts), head counts that `world` ranks cannot split."""
     parallel = TensorParallel(0, world)
