@@ -79,8 +79,10 @@ class LoadedModel:
         tokenizer: Tokenizer,
         load_seconds: float,
         plugins: Plugins | None = None,
+        ranks: Any = None,
     ):
         self.path = path
+        self.ranks = ranks  # the other ranks of a split model (corral.parallel.ranks.RankGroup), None without
         self.gguf = gguf
         self.model = model
         self.backend = backend
@@ -114,9 +116,18 @@ class LoadedModel:
         """Text of token ids."""
         return self.tokenizer.decode(list(ids))
 
-    def new_cache(self, num_cells: int) -> CausalCache:
-        """A KV cache with room for `num_cells` tokens."""
-        return CausalCache(self.backend, self.model.cache_layers(), num_cells)
+    def new_cache(self, num_cells: int, window_cells: int | None = None, num_seqs: int | None = None) -> CausalCache:
+        """A KV cache with room for `num_cells` tokens (see CausalCache); mirrored on the other ranks of a split model."""
+        if self.ranks is None:
+            return CausalCache(self.backend, self.model.cache_layers(), num_cells, window_cells, num_seqs)
+        from corral.parallel.mirror import MirroredCache
+
+        return MirroredCache(self.ranks, self.backend, self.model.cache_layers(), num_cells, window_cells, num_seqs)
+
+    def close(self) -> None:
+        """Stop the other ranks of a split model (nothing to do for a model in one process)."""
+        if self.ranks is not None:
+            self.ranks.close()
 
     def compute(self, batch: Batch, cache: CausalCache) -> Any:
         """One forward pass; the backend's native logits of the batch's output rows."""
@@ -189,11 +200,28 @@ def load_model(
     device: str | None = None,
     plugins: Plugins | None = None,
     num_thread: int = 0,
+    tensor_parallel: int = 1,
+    pipeline_parallel: int = 1,
+    master: tuple[str, int] | None = None,
+    parallel: Any = None,
+    stage: Any = None,
 ) -> LoadedModel:
     """Open a GGUF model (a store name such as "smollm2", or a file path) on a backend plugin (the default one unless named).
 
     `num_thread` > 0 sets the backend's compute threads (process-wide for the torch backend).
+    `tensor_parallel` > 1 splits every layer over that many processes, `pipeline_parallel` > 1 the
+    blocks into that many stages (corral.parallel): this process is rank 0 and starts the others,
+    or, with `master` (MASTER_ADDR, MASTER_PORT), waits there for ranks started on other hosts;
+    `close()` stops them. `parallel` / `stage` are a rank's own place in such a split
+    (corral.parallel), given by the rank processes themselves.
     """
+    if tensor_parallel > 1 or pipeline_parallel > 1:
+        if tensor_parallel > 1 and pipeline_parallel > 1:
+            from corral.parallel.shards import check_split
+
+            check_split(name_or_path, tensor_parallel, pipeline_parallel)  # raises: they do not combine
+        split, world = ("tensor", tensor_parallel) if tensor_parallel > 1 else ("pipeline", pipeline_parallel)
+        return _load_split(name_or_path, split, world, master, precision, backend, device, plugins, num_thread)
     plugins = plugins or Plugins()
     path = resolve_model_path(name_or_path)
     start = time.perf_counter()
@@ -203,11 +231,54 @@ def load_model(
     tensor_backend = plugins.open_backend(backend, device=device, precision=precision)
     if num_thread > 0:
         tensor_backend.set_threads(min(num_thread, os.cpu_count() or 1))  # more threads than cores only contend
+    # Before any tensor loads: the binder asks `parallel` for each layer's shard; graphs send through `stage`.
+    tensor_backend.parallel, tensor_backend.stage = parallel, stage
     # The tokenizer (pure Python, ~1 s for a 262k vocabulary) builds while torch converts weights.
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
         tokenizer = pool.submit(Tokenizer.from_gguf, gguf.metadata)
-        model = model_class.from_gguf(gguf, tensor_backend)
+        model = model_class.from_gguf(gguf, tensor_backend, blocks=stage and stage.blocks)
         tokenizer = tokenizer.result()
+    if parallel is not None:
+        from corral.parallel.shards import check_model
+
+        check_model(model, parallel)
+    if stage is not None:
+        from corral.parallel.pipeline import StageModel
+
+        model = StageModel(model, stage)
     gguf.drop_resident_pages()
     release_freed_memory()
     return LoadedModel(path, gguf, model, tensor_backend, tokenizer, time.perf_counter() - start, plugins)
+
+
+def _load_split(
+    name_or_path: str | os.PathLike,
+    split: str,
+    world: int,
+    master: tuple[str, int] | None,
+    precision: str,
+    backend: str | None,
+    device: str | None,
+    plugins: Plugins | None,
+    num_thread: int,
+) -> LoadedModel:
+    """Rank 0's load of a model split over `world` processes: start (or await) the other ranks, load this rank's part, wait for theirs."""
+    from corral.parallel.ranks import RankGroup
+    from corral.parallel.shards import check_split
+
+    start = time.perf_counter()
+    path = resolve_model_path(name_or_path)
+    check_split(path, **{f"{split}_parallel": world})  # a split that cannot work fails before any process starts
+    # Tensor-parallel ranks compute at once: by default they share the cores rather than each taking all of them.
+    threads = num_thread or (max(1, (os.cpu_count() or 1) // world) if split == "tensor" and master is None else 0)
+    load = dict(name_or_path=str(path), precision=precision, backend=backend, device=device, num_thread=threads)
+    ranks = RankGroup(world, load, split, master)
+    try:
+        loaded = load_model(path, precision, backend, device, plugins, threads, **ranks.role)
+        ranks.wait_loaded()
+    except BaseException:
+        ranks.close()
+        raise
+    loaded.ranks = ranks
+    loaded.info = attrs.evolve(loaded.info, load_seconds=time.perf_counter() - start)
+    return loaded

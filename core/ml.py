@@ -77,7 +77,13 @@ class Tensor(Protocol):
 
 
 class Context(Protocol):
-    """Graph-building ops; nothing runs until `compute()`."""
+    """Graph-building ops; nothing runs until `compute()`.
+
+    `parallel` is None, or this process's rank of a tensor-parallel model (corral.parallel.shards.
+    TensorParallel): nn.py's split layers then build their rank's share and `all_reduce` the sums.
+    """
+
+    parallel: Any
 
     def input(self, values: np.ndarray) -> Tensor:
         """An integer input (token ids, positions, row indices)."""
@@ -118,6 +124,15 @@ class Context(Protocol):
     def bidirectional_attention(self, q: Tensor, k: Tensor, v: Tensor, lengths: Sequence[int], scale: float) -> Tensor:
         """Encoder attention without a cache: q, k, v [n, heads, d] hold consecutive runs of `lengths`
         rows, one run per sequence, and each row attends to every row of its own run -> [n, heads * dv]."""
+
+    def all_reduce(self, x: Tensor) -> Tensor:
+        """x summed over the ranks of a tensor-parallel model (only called when `parallel` is set)."""
+
+    def send(self, x: Tensor, peer: int) -> Tensor:
+        """Send a 2-D activation to pipeline stage `peer` (the backend's `stage`); returns x."""
+
+    def receive(self, peer: int, after: Tensor | None = None) -> Tensor:
+        """The 2-D activation pipeline stage `peer` sends next, received once `after` is computed."""
 
     def cached_keys(self, keys: Any, cells: Tensor) -> Tensor:
         """Keys stored in a cache buffer at `cells`, as [n, kv_heads, dim]."""
@@ -190,9 +205,15 @@ class Backend(Protocol):
     name: str
     device: str
     precision: str
+    parallel: Any  # None, or the TensorParallel rank this backend loads and computes for (set before loading)
+    stage: Any  # None, or the PipelineStage whose sends and receives this backend's graphs run
 
-    def load_tensor(self, gguf: GGUFFile, info: TensorInfo, role: str) -> Any:
-        """Load one GGUF tensor for `role`; raise UnsupportedTensorTypeError for a type it cannot handle."""
+    def load_tensor(self, gguf: GGUFFile, info: TensorInfo, role: str, shard: Any = None) -> Any:
+        """Load one GGUF tensor for `role`; raise UnsupportedTensorTypeError for a type it cannot handle.
+
+        `shard` (a corral.parallel.shards.Shard, only passed under tensor parallelism): load only
+        that part of its rows or columns.
+        """
 
     def set_threads(self, count: int) -> None:
         """Use `count` CPU threads for compute."""
@@ -209,7 +230,7 @@ class Backend(Protocol):
         """
 
     def kv_buffer(self, shape: Sequence[int]) -> Any:
-        """A zeroed native buffer for the KV cache."""
+        """A zeroed native buffer for the KV cache [kv_heads, cells, dim]; under tensor parallelism, of the rank's KV heads."""
 
     def from_numpy(self, array: np.ndarray) -> Any:
         """A native tensor on the backend's device (cache slots, masks)."""

@@ -117,7 +117,8 @@ def bound_layers(obj: Any) -> list[Any]:
         elif _MODULE in field.metadata:
             found += bound_layers(value)
     for block in getattr(obj, "blocks", ()) if isinstance(obj, Model) else ():
-        found += bound_layers(block)
+        if block is not None:
+            found += bound_layers(block)
     return found
 
 
@@ -127,7 +128,7 @@ class TensorBinder:
 
     gguf: GGUFFile
     backend: Any
-    loaded: dict[tuple[str, str], Any] = attrs.field(factory=dict)  # (GGUF name, role) -> the backend's tensor
+    loaded: dict[tuple, Any] = attrs.field(factory=dict)  # (GGUF name, role[, shard]) -> the backend's tensor
 
     def bind(self, cls: type, prefix: str = "", names: str = "{}", **extra: Any) -> Any:
         """Instantiate `cls`, loading every `tensor(...)` field from `prefix + names.format(name)`
@@ -158,9 +159,14 @@ class TensorBinder:
                 + (f" (and so is its fallback '{fallback}.{suffix}')" if fallback else "")
                 + "; the file does not match its architecture"
             )
-        weight = self._load(f"{found}.{suffix}", layer_type.role)
+        # Under tensor parallelism a split layer loads this rank's part; a column-split bias is cut
+        # with its rows, a row-split layer's bias stays whole (added once, after the all-reduce).
+        parallel = getattr(self.backend, "parallel", None)
+        shard = parallel.shard(layer_type, self.gguf, found) if parallel is not None else None
+        weight = self._load(f"{found}.{suffix}", layer_type.role, shard)
         bias_name = f"{found}.bias"
-        bias = self._load(bias_name, "vector") if bias_name in self.gguf.tensors and suffix != "bias" else None
+        bias_shard = shard if shard is not None and shard.axis == "rows" else None
+        bias = self._load(bias_name, "vector", bias_shard) if bias_name in self.gguf.tensors and suffix != "bias" else None
         return layer_type(weight, bias)
 
     def _first_present(self, name: str, fallback: str | None, suffix: str = "weight") -> str | None:
@@ -182,11 +188,16 @@ class TensorBinder:
                     return True
         return False
 
-    def _load(self, full_name: str, role: str) -> Any:
-        key = (full_name, role)
+    def _load(self, full_name: str, role: str, shard: Any = None) -> Any:
+        key = (full_name, role) if shard is None else (full_name, role, shard)
         if key not in self.loaded:
             info = self.gguf.tensors[full_name]
-            self.loaded[key] = None if self.backend is None else self.backend.load_tensor(self.gguf, info, role)
+            if self.backend is None:
+                self.loaded[key] = None
+            elif shard is None:
+                self.loaded[key] = self.backend.load_tensor(self.gguf, info, role)
+            else:
+                self.loaded[key] = self.backend.load_tensor(self.gguf, info, role, shard=shard)
         return self.loaded[key]
 
 
@@ -227,9 +238,12 @@ class Model:
     config: Any
 
     @classmethod
-    def from_gguf(cls, gguf: GGUFFile, backend: Any) -> Model:
-        """Build the config from metadata and bind the tensors through the backend."""
-        return cls._bind(gguf, TensorBinder(gguf, backend))
+    def from_gguf(cls, gguf: GGUFFile, backend: Any, blocks: range | None = None) -> Model:
+        """Build the config from metadata and bind the tensors through the backend.
+
+        `blocks`: bind only these blocks, the others None (a pipeline stage's share of the model).
+        """
+        return cls._bind(gguf, TensorBinder(gguf, backend), blocks)
 
     @classmethod
     def tensor_plan(cls, gguf: GGUFFile) -> list[tuple[TensorInfo, str]]:
@@ -239,12 +253,12 @@ class Model:
         """
         binder = TensorBinder(gguf, None)
         cls._bind(gguf, binder)
-        return [(gguf.tensors[name], role) for name, role in binder.loaded]
+        return [(gguf.tensors[key[0]], key[1]) for key in binder.loaded]
 
     @classmethod
-    def _bind(cls, gguf: GGUFFile, binder: TensorBinder) -> Model:
+    def _bind(cls, gguf: GGUFFile, binder: TensorBinder, only: range | None = None) -> Model:
         config = config_from_gguf(cls.Config, gguf, cls.architecture)
-        blocks = tuple(binder.bind(cls.Block, f"blk.{i}.") for i in range(config.block_count))
+        blocks = tuple(binder.bind(cls.Block, f"blk.{i}.") if only is None or i in only else None for i in range(config.block_count))
         return binder.bind(cls, config=config, blocks=blocks)
 
     @classmethod

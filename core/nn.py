@@ -21,11 +21,50 @@ from corral.model import module, tensor
 @attrs.frozen
 class Linear:
     role: ClassVar[str] = "linear"
+    # How tensor parallelism splits it (core/parallel/shards.py): None keeps it whole on every rank.
+    parallel: ClassVar[str | None] = None
+    heads: ClassVar[str | None] = None  # "q" or "kv": its output rows are whole heads of that kind
     weight: Any
     bias: Any = None
 
     def __call__(self, ctx: Any, x: Any) -> Any:
         return ctx.linear(x, self.weight, self.bias)
+
+
+@attrs.frozen
+class ColumnLinear(Linear):
+    """A projection whose output features tensor parallelism splits across ranks (gate, up): each
+    rank computes its own share of them, with no communication."""
+
+    parallel: ClassVar[str | None] = "column"
+
+
+@attrs.frozen
+class QueryLinear(ColumnLinear):
+    """The query projection: each rank holds whole query heads."""
+
+    heads: ClassVar[str | None] = "q"
+
+
+@attrs.frozen
+class KeyValueLinear(ColumnLinear):
+    """A key or value projection: each rank holds whole KV heads (one replicated head when there are fewer heads than ranks)."""
+
+    heads: ClassVar[str | None] = "kv"
+
+
+@attrs.frozen
+class RowLinear(Linear):
+    """A projection whose input features tensor parallelism splits (attention output, down): each
+    rank multiplies its share and one all-reduce sums the partial products; the bias is added once, after."""
+
+    parallel: ClassVar[str | None] = "row"
+
+    def __call__(self, ctx: Any, x: Any) -> Any:
+        if getattr(ctx, "parallel", None) is None:
+            return ctx.linear(x, self.weight, self.bias)
+        y = ctx.all_reduce(ctx.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
 
 
 @attrs.frozen
@@ -137,11 +176,11 @@ class Attention:
     """Self-attention: q, k, v (or one fused qkv) projections with optional biases, optional q/k
     norms, RoPE, optional sinks, the output projection."""
 
-    q: Linear = tensor("q", Linear, optional=True)
-    k: Linear = tensor("k", Linear, optional=True)
-    v: Linear = tensor("v", Linear, optional=True)
-    qkv: Linear = tensor("qkv", Linear, optional=True)
-    output: Linear = tensor("output", Linear)
+    q: Linear = tensor("q", QueryLinear, optional=True)
+    k: Linear = tensor("k", KeyValueLinear, optional=True)
+    v: Linear = tensor("v", KeyValueLinear, optional=True)
+    qkv: Linear = tensor("qkv", Linear, optional=True)  # fused: kept whole under tensor parallelism, which then refuses the model
+    output: Linear = tensor("output", RowLinear)
     q_norm: RMSNorm = tensor("q_norm", RMSNorm, optional=True)
     k_norm: RMSNorm = tensor("k_norm", RMSNorm, optional=True)
     sinks: Vector = tensor("sinks", Vector, optional=True)
@@ -158,7 +197,12 @@ class Attention:
         return self.output(ctx, attn)
 
     def project(self, ctx: Any, x: Any, positions: Any, opt: AttentionOptions) -> tuple[Any, Any, Any]:
-        """q, k, v as [n, heads, dim], normed and rotated."""
+        """q, k, v as [n, heads, dim], normed and rotated (under tensor parallelism: this rank's heads)."""
+        parallel = getattr(ctx, "parallel", None)
+        if parallel is not None:
+            if self.qkv is not None or self.sinks is not None or (opt.qk_norm == "full" and self.q_norm is not None):
+                raise parallel.unsupported("a fused qkv projection, attention sinks or q/k norms over all heads' features")
+            opt = parallel.local_attention(opt)
         if self.qkv is not None:
             q, k, v = ctx.split(self.qkv(ctx, x), (opt.heads * opt.key_dim, opt.kv_heads * opt.key_dim, opt.kv_heads * opt.value_dim))
         else:
@@ -179,13 +223,15 @@ class Attention:
 class GatedMLP:
     """down(act(gate(x)) * up(x)); with no `gate` tensor, `up` holds gate and up side by side (Phi-3)."""
 
-    gate: Linear = tensor("gate", Linear, optional=True)
-    up: Linear = tensor("up", Linear)
-    down: Linear = tensor("down", Linear)
+    gate: Linear = tensor("gate", ColumnLinear, optional=True)
+    up: Linear = tensor("up", ColumnLinear)
+    down: Linear = tensor("down", RowLinear)
 
     def __call__(self, ctx: Any, x: Any, activation: str = "silu", width: int | None = None) -> Any:
         """`width`: the feed-forward length, needed to cut a fused gate/up projection."""
         if self.gate is None:
+            if getattr(ctx, "parallel", None) is not None:
+                raise ctx.parallel.unsupported("a fused gate/up projection (Phi-3's)")
             gate, up = ctx.split(self.up(ctx, x), (width, width))
         else:
             gate, up = self.gate(ctx, x), self.up(ctx, x)
@@ -196,8 +242,8 @@ class GatedMLP:
 class MLP:
     """down(act(up(x))), with biases where the file has them (GPT-2, StarCoder 2)."""
 
-    up: Linear = tensor("up", Linear)
-    down: Linear = tensor("down", Linear)
+    up: Linear = tensor("up", ColumnLinear)
+    down: Linear = tensor("down", RowLinear)
 
     def __call__(self, ctx: Any, x: Any, activation: str = "gelu") -> Any:
         return self.down(ctx, activate(ctx, activation, self.up(ctx, x)))

@@ -21,7 +21,7 @@ from corral.errors import CorralError
 log = logging.getLogger(__name__)
 
 # Changing one of these forces the model to be reloaded.
-LOAD_TIME_OPTIONS = ("num_ctx", "num_batch", "num_gpu", "num_thread")
+LOAD_TIME_OPTIONS = ("num_ctx", "num_batch", "num_gpu", "num_thread", "tensor_parallel", "pipeline_parallel")
 
 
 class InvalidOptionError(CorralError):
@@ -58,6 +58,8 @@ class Options:
     num_batch: int = option(512, int, Check(1))
     num_gpu: int = option(-1, int, Check(-1))  # -1: as many layers as fit
     num_thread: int = option(0, int, Check(0))  # 0: the runtime decides
+    tensor_parallel: int = option(0, int, Check(0))  # ranks the model is split over (corral.parallel); 0: the server's default
+    pipeline_parallel: int = option(0, int, Check(0))  # stages the model's blocks are split into; 0: the server's default
     num_keep: int = option(4, int, Check(-1))  # -1: the whole prompt
     num_predict: int = option(-1, int, Check(-2))  # -1: unlimited, -2: until the context is full
     stop: tuple[str, ...] = option((), "strings")

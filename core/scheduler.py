@@ -25,6 +25,7 @@ from corral.discover import context_default, effective_num_ctx, system_info
 from corral.errors import CorralError, ModelNotFoundError
 from corral.modelfile import model_defaults
 from corral.options import LOAD_TIME_OPTIONS, STANDARD_OPTIONS, parse_options
+from corral.parallel.shards import check_split
 from corral.registry import Plugins
 from corral.runner.interface import Runner
 from corral.runner.process import RunnerProcess
@@ -89,6 +90,16 @@ def keep_alive_from_env() -> float:
     return DEFAULT_KEEP_ALIVE
 
 
+def _positive_env(key: str, default: int) -> int:
+    """A positive integer from the environment variable `key`, else `default`."""
+    text = os.environ.get(key, "").strip()
+    if not text:
+        return default
+    if not text.isdigit() or int(text) < 1:
+        raise CorralError(f"{key} must be a positive integer, not {text!r}")
+    return int(text)
+
+
 @attrs.define(eq=False)
 class Loaded:
     """A model held by the scheduler."""
@@ -125,6 +136,8 @@ class Scheduler:
         num_parallel: int | None = None,
         default_num_ctx: int | None = None,
         runner: str | None = None,
+        tensor_parallel: int | None = None,
+        pipeline_parallel: int | None = None,
     ):
         self.store = store or default_store()
         self.plugins = plugins or Plugins()
@@ -135,6 +148,9 @@ class Scheduler:
         self.max_queue = int(os.environ.get("CORRAL_MAX_QUEUE", DEFAULT_MAX_QUEUE))
         self.max_loaded = max(1, int(os.environ.get("CORRAL_MAX_LOADED_MODELS", DEFAULT_MAX_LOADED_MODELS)))
         self.runner = runner or os.environ.get("CORRAL_RUNNER", "process")
+        # Ranks (stages) each model is split over unless a request's `tensor_parallel` (`pipeline_parallel`) option says otherwise.
+        self.tensor_parallel = tensor_parallel or _positive_env("CORRAL_TENSOR_PARALLEL", 1)
+        self.pipeline_parallel = pipeline_parallel or _positive_env("CORRAL_PIPELINE_PARALLEL", 1)
         if self.runner not in RUNNERS:
             raise CorralError(f"CORRAL_RUNNER must be one of {', '.join(RUNNERS)}, not {self.runner!r}")
         self.loaded: dict[str, Loaded] = {}
@@ -250,6 +266,7 @@ class Scheduler:
             num_ctx = entry.load_options.get("num_ctx") or self.default_num_ctx
             num_batch = entry.load_options.get("num_batch") or 512
             template = await trio.to_thread.run_sync(self._template, entry.name)
+            await trio.to_thread.run_sync(check_split, entry.path, *self._splits(entry.load_options).values())  # a clear 400 before any runner starts
             async with self._open_runtime(entry.path, entry.load_options, num_ctx, num_batch, template) as runtime:
                 # The runner clamps to the trained context, known only now; this says so when a request asked for more.
                 effective_num_ctx(
@@ -275,9 +292,17 @@ class Scheduler:
         """The model's runner: a child process by default (a native crash cannot take the server down), or in-process."""
         sizes = dict(num_parallel=self.num_parallel, num_ctx=num_ctx, num_batch=num_batch)
         num_thread = load_options.get("num_thread") or 0
+        splits = self._splits(load_options)
         if self.runner == "inprocess":
-            return Runtime.open(str(path), **sizes, plugins=self.plugins, template=template, num_thread=num_thread)
-        return RunnerProcess.open(path, **sizes, template=template, num_thread=num_thread)
+            return Runtime.open(str(path), **sizes, plugins=self.plugins, template=template, num_thread=num_thread, **splits)
+        return RunnerProcess.open(path, **sizes, template=template, num_thread=num_thread, **splits)
+
+    def _splits(self, load_options: dict) -> dict[str, int]:
+        """How many processes the model is split over: the request's options, else the server's defaults."""
+        return dict(
+            tensor_parallel=load_options.get("tensor_parallel") or self.tensor_parallel,
+            pipeline_parallel=load_options.get("pipeline_parallel") or self.pipeline_parallel,
+        )
 
     def _template(self, name: str) -> str | None:
         """A Modelfile TEMPLATE to use instead of the file's (Jinja or Go), checked before any runner starts."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import pathlib
 import sys
 
@@ -52,9 +53,22 @@ def main() -> None:
 
 
 @main.command()
-def serve() -> None:
+@click.option(
+    "--tensor-parallel", type=click.IntRange(min=1), default=None, envvar="CORRAL_TENSOR_PARALLEL",
+    help="Split each model over N rank processes (torch.distributed, gloo on CPU); a request's tensor_parallel option wins.",
+)
+@click.option(
+    "--pipeline-parallel", type=click.IntRange(min=1), default=None, envvar="CORRAL_PIPELINE_PARALLEL",
+    help="Split each model's blocks into N stages, one process each; a request's pipeline_parallel option wins.",
+)
+def serve(tensor_parallel: int | None, pipeline_parallel: int | None) -> None:
     """Serve the Ollama and OpenAI APIs (CORRAL_HOST, default 127.0.0.1:11434)."""
     import trio
+
+    # The scheduler's defaults, as if the user had set them.
+    for key, value in (("CORRAL_TENSOR_PARALLEL", tensor_parallel), ("CORRAL_PIPELINE_PARALLEL", pipeline_parallel)):
+        if value is not None:
+            os.environ[key] = str(value)
 
     from corral.logs import setup_logging
     from corral.address import address_from_env

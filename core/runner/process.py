@@ -151,6 +151,8 @@ class RunnerProcess:
         num_ctx: int = 4096,
         num_batch: int = 512,
         num_thread: int = 0,
+        tensor_parallel: int = 1,
+        pipeline_parallel: int = 1,
         precision: str = "auto",
         device: str | None = None,
         template: str | None = None,
@@ -169,7 +171,8 @@ class RunnerProcess:
         command = [
             sys.executable, "-X", "faulthandler", "-m", "corral.runner", "--model", path,
             "--num-parallel", str(num_parallel), "--num-ctx", str(num_ctx), "--num-batch", str(num_batch),
-            "--precision", precision, "--num-thread", str(num_thread),
+            "--precision", precision, "--num-thread", str(num_thread), "--tensor-parallel", str(tensor_parallel),
+            "--pipeline-parallel", str(pipeline_parallel),
         ] + (["--device", device] if device else [])
         template_file = _write_template(template) if template is not None else None
         if template_file:

@@ -71,9 +71,8 @@ class Request:
 
 def new_cache(model: LoadedModel, num_ctx: int, num_parallel: int, num_batch: int) -> CausalCache:
     """The KV cache of a runtime: num_ctx cells per sequence, sliding-window layers their window and a batch."""
-    layers = model.model.cache_layers()
-    num_cells, window_cells = runtime_cells(layers, num_ctx, num_parallel, num_batch)
-    return CausalCache(model.backend, layers, num_cells, window_cells, num_seqs=num_parallel)
+    num_cells, window_cells = runtime_cells(model.model.cache_layers(), num_ctx, num_parallel, num_batch)
+    return model.new_cache(num_cells, window_cells, num_seqs=num_parallel)
 
 
 class Runtime:
@@ -90,7 +89,9 @@ class Runtime:
         self.cache = cache
         self.batcher = BatchingActor(model, self.cache, self.chain, num_batch)  # steps run on the compute thread, one at a time
         # A pass takes at least one whole input: an input may be as long as the context.
-        self.embedder = EmbeddingActor(model, max(num_batch, self.num_ctx)) if model.model.pooling is not None else None
+        # (Not yet over the ranks of a split model: embedding passes are not mirrored to them.)
+        embeds = model.model.pooling is not None and model.ranks is None
+        self.embedder = EmbeddingActor(model, max(num_batch, self.num_ctx)) if embeds else None
         self.slots = SlotPool(num_parallel)
         self.stats = RuntimeStats()
         self.exited = trio.Event()
@@ -110,20 +111,44 @@ class Runtime:
         plugins: Plugins | None = None,
         template: str | None = None,
         num_thread: int = 0,
+        tensor_parallel: int = 1,
+        pipeline_parallel: int = 1,
     ) -> AsyncIterator[Runtime]:
         """Load `model` (a store name or a GGUF path) and serve it until the block exits.
 
         `template` replaces the file's chat template (a Jinja chat template). `num_thread` > 0 sets
         the compute threads (process-wide: a runner process has one model, an embedding app decides).
-        A `LoadedModel` is served as it is, with its plugins (`precision`, `device`, `num_thread` do not apply).
+        `tensor_parallel` > 1 splits every layer over that many rank processes, `pipeline_parallel`
+        > 1 the blocks into that many stages (corral.parallel); the ranks stop when the block exits,
+        and a rank that dies ends the runtime with RankFailedError. A `LoadedModel` is served as it
+        is, with its plugins (`precision`, `device`, `num_thread` and the splits do not apply).
         """
+        for key, value in (("tensor_parallel", tensor_parallel), ("pipeline_parallel", pipeline_parallel)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidOptionError(f"{key} must be a positive integer, got {value!r}")
+        owned = None
         if isinstance(model, LoadedModel):
             loaded, plugins = model, plugins or model.plugins
         else:
             plugins = plugins or Plugins()
-            loaded = await compute.run(
-                functools.partial(load_model, model, precision=precision, device=device, plugins=plugins, num_thread=num_thread)
+            owned = loaded = await compute.run(
+                functools.partial(
+                    load_model, model, precision=precision, device=device, plugins=plugins, num_thread=num_thread,
+                    tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
+                )
             )
+        try:
+            async with cls._serve(loaded, plugins, template, num_parallel, num_ctx, num_batch) as runtime:
+                yield runtime
+        finally:
+            if owned is not None:
+                await compute.run(owned.close)  # a tensor-parallel model's ranks stop (its last collective, on the compute thread)
+
+    @classmethod
+    @contextlib.asynccontextmanager
+    async def _serve(
+        cls, loaded: LoadedModel, plugins: Plugins, template: str | None, num_parallel: int, num_ctx: int, num_batch: int
+    ) -> AsyncIterator[Runtime]:
         if template:
             loaded = loaded.with_template(template)  # a model the caller passed in stays as it was
         # As llama.cpp: a batch never exceeds the context, so a huge num_batch cannot size a huge buffer.
@@ -186,6 +211,8 @@ class Runtime:
         `truncate` is false. `dimensions` keeps the first features; `normalized` scales to unit length.
         """
         pooling = self.model.model.pooling
+        if pooling is not None and self.model.ranks is not None:
+            raise EmbeddingsUnsupportedError(f"{self.info.name} is split over processes, which embeddings do not support yet; load it whole to embed")
         if self.embedder is None or pooling not in POOLINGS:
             how = f" (it pools by {pooling!r}, which corral does not do)" if pooling else "; use an embedding model"
             raise EmbeddingsUnsupportedError(f"{self.info.name} does not support embeddings{how}")

@@ -14,6 +14,7 @@ from gguf import GGMLQuantizationType as Q
 from corral.errors import UnsupportedTensorTypeError
 from corral.gguf import GGUFFile, TensorInfo
 from corral.model import Batch
+from corral.parallel.shards import Shard, TensorParallel
 from corral.plugins.backends.torch import native
 from corral.plugins.backends.torch.context import TorchContext
 from corral.plugins.backends.torch.dequantize import DEQUANTIZERS, INT4_GROUP, dequantize, int4_blocks
@@ -21,6 +22,7 @@ from corral.plugins.backends.torch.experts import ExpertWeights
 from corral.plugins.backends.torch.fusion import stack_weights
 from corral.plugins.backends.torch.graph import GraphCache
 from corral.plugins.backends.torch.int4_packing import pack_int4_for_cpu, pack_int4_for_cuda
+from corral.plugins.backends.torch.sharding import shard_tensor
 from corral.plugins.backends.torch.layouts import DenseWeight, Int4Blocks, Int4Weight, Int8Weight, MappedRows, RescoredLogits, requantized_int4
 
 INT4_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q4_K})
@@ -85,10 +87,16 @@ class TorchBackend:
         self._dense: dict[str, torch.Tensor] = {}
         self._graphs = GraphCache()
         self._stacked: dict[tuple[int, ...], tuple[Any, list[Any]]] = {}
+        # This process's rank of a tensor-parallel model (core/parallel/); None: the whole model here.
+        self.parallel: TensorParallel | None = None
+        self.stage: Any = None  # this process's pipeline stage (core/parallel/pipeline.py); None: every block here
 
-    def load_tensor(self, gguf: GGUFFile, info: TensorInfo, role: str) -> Any:
-        """Convert one GGUF tensor for `role` ("linear", "logits", "embedding", "vector" or "experts")."""
+    def load_tensor(self, gguf: GGUFFile, info: TensorInfo, role: str, shard: Shard | None = None) -> Any:
+        """Convert one GGUF tensor for `role` ("linear", "logits", "embedding", "vector" or "experts");
+        with `shard`, only this tensor-parallel rank's part of it."""
         raw = _raw_tensor(gguf, info)
+        if shard is not None:
+            raw, info = shard_tensor(raw, info, shard)
         if role == "experts":
             parts = expert_infos(info)
             rows = parts[0].shape[0]
@@ -213,6 +221,9 @@ class TorchBackend:
         return self._graphs.run(model, batch, view, self.new_context)
 
     def kv_buffer(self, shape: Sequence[int]) -> torch.Tensor:
+        """A zeroed cache buffer [kv_heads, cells, dim]; under tensor parallelism, of this rank's KV heads."""
+        if self.parallel is not None:
+            shape = self.parallel.kv_shape(shape)
         return torch.zeros(tuple(shape), dtype=self.kv_dtype, device=self.device)
 
     def from_numpy(self, array: np.ndarray) -> torch.Tensor:

@@ -29,6 +29,7 @@ class TorchContext(Graph):
     def __init__(self, backend: TorchBackend, batch: Batch | None = None, view: Any = None):
         super().__init__(batch, view)
         self.backend = backend
+        self.parallel = backend.parallel  # nn.py's split layers read it: None, or this rank of a tensor-parallel model
         self._rope_tables: dict[tuple, Node] = {}
         self._attention = AttentionMemo()
 
@@ -87,6 +88,15 @@ class TorchContext(Graph):
     def bidirectional_attention(self, q: Node, k: Node, v: Node, lengths: Sequence[int], scale: float) -> Node:
         self.replayable = False  # the lengths are baked into the graph
         return self.record(bidirectional_attention, q, k, v, tuple(lengths), scale)
+
+    def all_reduce(self, x: Node) -> Node:
+        return self.record(self.parallel.all_reduce, x)
+
+    def send(self, x: Node, peer: int) -> Node:
+        return self.record(self.backend.stage.send, x, peer)
+
+    def receive(self, peer: int, after: Node | None = None) -> Node:
+        return self.record(self.backend.stage.receive, peer, after)
 
     def cached_keys(self, keys: Any, cells: Node) -> Node:
         return self.record(_cached_keys, keys, cells)
