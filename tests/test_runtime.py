@@ -187,8 +187,10 @@ async def test_cancelled_requests_leave_no_sequence_cell_slot_or_task_behind(smo
                 nursery.start_soon(request, i)
 
         assert requests - rt.stats.requests > 10, "some requests should be cancelled before they got a slot"
-        assert sum(stage_reached[i] for i, plan in enumerate(plans) if plan[1] == "prefill") > 10
-        assert sum(stage_reached[i] for i, plan in enumerate(plans) if plan[1] == "decode") > 10
+        # Some of each kind must be cancelled where they aim (~30 plans each): how many get there depends
+        # on how often the polling task runs, which other jobs on the cores change.
+        assert sum(stage_reached[i] for i, plan in enumerate(plans) if plan[1] == "prefill") > 2
+        assert sum(stage_reached[i] for i, plan in enumerate(plans) if plan[1] == "decode") > 2
 
         with trio.fail_after(5):  # a cancelled sequence task ends at its next checkpoint
             while len(rt._nursery.child_tasks) > 1:
