@@ -28,7 +28,7 @@ from corral.registry import Plugins
 from corral.template import ChatTemplate
 from corral.tokenizer import Tokenizer
 from corral.images import DecodedImage
-from corral.vision import ImageEncoder, ImageRun, ProjectorError, image_batch_fields, image_prompt_ids, tag_images
+from corral.vision import IMAGE_FILLER, ImageEncoder, ImageRun, ProjectorError, image_batch_fields, image_prompt_ids, tag_images
 
 DEFAULT_NUM_CTX = 4096
 
@@ -134,7 +134,7 @@ class LoadedModel:
         embedding rows in place of the ids they cover."""
         if not len(ids):
             raise ValueError("logits() needs at least one token")
-        batch = Batch.single(ids, all_logits=True)
+        batch = Batch.single([IMAGE_FILLER if token < 0 else token for token in ids], all_logits=True)  # negative: an image's row
         if images:
             batch = attrs.evolve(batch, **image_batch_fields(images, range(len(ids)), self.model.bidirectional_images))
         return self.forward(batch, self.new_cache(len(ids)))

@@ -246,7 +246,8 @@ class Scheduler:
             num_ctx = entry.load_options.get("num_ctx") or self.default_num_ctx
             num_batch = entry.load_options.get("num_batch") or 512
             template = await trio.to_thread.run_sync(self._template, entry.name)
-            async with self._open_runtime(entry.path, entry.load_options, num_ctx, num_batch, template) as runtime:
+            projector = await trio.to_thread.run_sync(self.store.projector_path, entry.name)
+            async with self._open_runtime(entry.path, entry.load_options, num_ctx, num_batch, template, projector) as runtime:
                 # The runner clamps to the trained context, known only now; this says so when a request asked for more.
                 effective_num_ctx(
                     entry.load_options.get("num_ctx"), runtime.info.context_length, None, self.default_num_ctx,
@@ -264,14 +265,17 @@ class Scheduler:
                 del self.loaded[entry.name]
 
     def _open_runtime(
-        self, path: Any, load_options: dict, num_ctx: int, num_batch: int, template: str | None
+        self, path: Any, load_options: dict, num_ctx: int, num_batch: int, template: str | None, projector: Any = None
     ) -> contextlib.AbstractAsyncContextManager[Runner]:
-        """The model's runner: a child process by default (a native crash cannot take the server down), or in-process."""
+        """The model's runner: a child process by default (a native crash cannot take the server down), or in-process.
+
+        `projector`: the model's vision projector file, loaded beside it."""
         sizes = dict(num_parallel=self.num_parallel, num_ctx=num_ctx, num_batch=num_batch)
         num_thread = load_options.get("num_thread") or 0
+        projector = str(projector) if projector else None
         if self.runner == "inprocess":
-            return Runtime.open(str(path), **sizes, plugins=self.plugins, template=template, num_thread=num_thread)
-        return RunnerProcess.open(path, **sizes, template=template, num_thread=num_thread)
+            return Runtime.open(str(path), **sizes, plugins=self.plugins, template=template, num_thread=num_thread, projector=projector)
+        return RunnerProcess.open(path, **sizes, template=template, num_thread=num_thread, projector=projector)
 
     def _template(self, name: str) -> str | None:
         """A Modelfile TEMPLATE to use instead of the file's (Jinja or Go), checked before any runner starts."""

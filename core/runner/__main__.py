@@ -26,7 +26,7 @@ import attrs
 import trio
 
 from corral.errors import CorralError
-from corral.runner.wire import JsonLines, chunk_to_json, error_to_json
+from corral.runner.wire import JsonLines, chunk_to_json, error_to_json, images_from_json
 from corral.runner.runtime import Runtime
 
 log = logging.getLogger("corral.runner.child")
@@ -84,6 +84,7 @@ class RunnerServer:
 
     async def _stream(self, op: str, args: dict, lines: JsonLines) -> None:
         start = self.runtime.generate if op == "generate" else self.runtime.chat
+        args = images_from_json(op, args)
         with trio.CancelScope() as scope:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_cancel_on_close, lines.stream, scope)
@@ -118,7 +119,7 @@ async def serve(args: argparse.Namespace, template: str | None, handshake: IO[st
     try:
         async with Runtime.open(
             args.model, num_parallel=args.num_parallel, num_ctx=args.num_ctx, num_batch=args.num_batch,
-            precision=args.precision, device=args.device, template=template, num_thread=args.num_thread,
+            precision=args.precision, device=args.device, template=template, num_thread=args.num_thread, projector=args.projector,
         ) as runtime:
             ready = True
             token = secrets.token_hex(16)
@@ -196,6 +197,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--num-thread", type=int, default=0, help="CPU threads for compute (0: torch's default)")
     p.add_argument("--device", default=None)
     p.add_argument("--template-file", default=None, help="a Jinja chat template to use instead of the file's")
+    p.add_argument("--projector", default=None, help="path of a vision projector (mmproj) GGUF to load beside the model")
     return p
 
 
