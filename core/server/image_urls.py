@@ -35,9 +35,9 @@ def fetching_allowed() -> bool:
     return os.environ.get(FETCH_ENV, "").strip().lower() in ("1", "true", "yes")
 
 
-async def resolve_image_urls(urls: list[str]) -> list[bytes]:
-    """Each image URL's bytes: a base64 data URL decoded, an http(s) one fetched if allowed; 400 otherwise."""
-    return [await _image_bytes(url) for url in urls]
+async def resolve_image_parts(parts: list[dict]) -> list[bytes]:
+    """Each image part's bytes: a base64 data URL decoded, an http(s) one fetched if allowed; 400 otherwise."""
+    return [await _image_bytes(image_part_url(part)) for part in parts]
 
 
 async def _image_bytes(url: str) -> bytes:

@@ -24,7 +24,7 @@ from corral.runner.stream import Chunk, TokenLogprob
 from corral.server import generation
 from corral.server.http import ApiError, field, read_json, sse_response
 from corral.server.ollama import insert_prompt
-from corral.server.image_urls import image_part_url, resolve_image_urls
+from corral.server.image_urls import resolve_image_parts
 from corral.server.refusals import refuse_fields, refuse_images
 from corral.server.state import state
 from corral.store import parse_name
@@ -224,9 +224,9 @@ def _message(message: Any) -> dict:
     out["role"] = "system" if message["role"] == "developer" else message["role"]
     out["content"] = _text_content(message.get("content"))
     if isinstance(message.get("content"), list):
-        urls = [image_part_url(part) for part in message["content"] if part["type"] in IMAGE_PARTS]
-        if urls:
-            out["images"] = urls  # resolved to bytes by `_resolve_images` once the model is known to see
+        parts = [part for part in message["content"] if part["type"] in IMAGE_PARTS]
+        if parts:
+            out["images"] = parts  # read into bytes by `resolve_image_parts` once the model is known to see
     if message.get("tool_calls") is not None:
         if not isinstance(message["tool_calls"], list):
             raise ApiError(400, "tool_calls must be a list")
@@ -312,7 +312,7 @@ async def chat_completions():
     state().scheduler.resolve(model)  # unknown model: 404 before anything loads
     if _has_images(body["messages"]):
         await refuse_images(model)
-        messages = [{**m, "images": await resolve_image_urls(m["images"])} if m.get("images") else m for m in messages]
+        messages = [{**m, "images": await resolve_image_parts(m["images"])} if m.get("images") else m for m in messages]
     plan = await trio.to_thread.run_sync(generation.plan_tools, model, tools, choice, parallel) if tools else None
     thinking = await trio.to_thread.run_sync(generation.plan_thinking, model, think, True)
     if plan is not None and choice.forces and response_format is not None:
