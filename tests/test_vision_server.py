@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 
 import httpx
+import trio
 import ollama
 import openai
 import pytest
@@ -121,3 +122,48 @@ async def test_http_image_urls_are_refused_unless_the_server_fetches_them(vision
     async with httpx.AsyncClient(base_url=url, timeout=120) as client:
         response = await client.post("/v1/chat/completions", json={"model": VISION, "messages": [{"role": "user", "content": content}]})
     assert response.status_code == 400 and "CORRAL_FETCH_IMAGE_URLS" in response.json()["error"]["message"]
+
+
+# --- the CLI --------------------------------------------------------------------------------------
+
+
+def corral(*args: str):
+    from click.testing import CliRunner
+
+    from corral.cli import main
+
+    return CliRunner().invoke(main, list(args), catch_exceptions=False)
+
+
+async def test_corral_show_lists_the_vision_capability(vision_server, monkeypatch):
+    url, _ = vision_server
+    monkeypatch.setenv("CORRAL_HOST", url.removeprefix("http://"))
+    result = await trio.to_thread.run_sync(corral, "show", VISION)
+    assert result.exit_code == 0 and "vision" in result.output.split("Capabilities")[1].split("Parameters")[0]
+
+
+async def test_corral_run_attaches_an_image_path_through_the_server(vision_server, monkeypatch, tmp_path):
+    url, reference = vision_server
+    monkeypatch.setenv("CORRAL_HOST", url.removeprefix("http://"))
+    image = tmp_path / "cat.png"
+    image.write_bytes(reference.image.read_bytes())
+    result = await trio.to_thread.run_sync(corral, "run", VISION, f"describe {image}", "--temperature", "0", "--num-predict", "2", "--verbose")
+    assert result.exit_code == 0, result.output
+    assert f"Added image '{image}'" in result.output
+    count = int(result.output.split("prompt eval count:")[1].split()[0])
+    assert count >= 16  # the image's rows went with the text
+
+
+def test_corral_run_in_process_takes_the_projector_from_the_store(vision_store_root, monkeypatch, tmp_path):
+    import socket
+
+    root, reference = vision_store_root
+    with socket.socket() as sock:  # nothing listens there: the CLI runs the model itself
+        sock.bind(("127.0.0.1", 0))
+        monkeypatch.setenv("CORRAL_HOST", f"127.0.0.1:{sock.getsockname()[1]}")
+    monkeypatch.setenv("CORRAL_MODELS", str(root))
+    image = tmp_path / "cat.png"
+    image.write_bytes(reference.image.read_bytes())
+    result = corral("run", VISION, f"describe {image}", "--temperature", "0", "--num-predict", "2", "--verbose")
+    assert result.exit_code == 0, result.output
+    assert int(result.output.split("prompt eval count:")[1].split()[0]) >= 16
