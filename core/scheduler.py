@@ -200,8 +200,9 @@ class Scheduler:
                 entry = None
             if entry is None:
                 num_ctx = wanted.get("num_ctx") or self.default_num_ctx
+                projector = await trio.to_thread.run_sync(self.store.projector_path, canonical)
                 need = await trio.to_thread.run_sync(
-                    memory.estimate, path, num_ctx, self.num_parallel, wanted.get("num_batch") or 512, self.plugins
+                    memory.estimate, path, num_ctx, self.num_parallel, wanted.get("num_batch") or 512, self.plugins, projector
                 )
                 await self._make_room(need.total)
                 entry = await self._load(canonical, path, wanted)
