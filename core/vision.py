@@ -23,6 +23,7 @@ import numpy as np
 from corral.errors import CorralError
 from corral.gguf import GGUFFile
 from corral.images import DecodedImage, ImageSpec, decode, preprocess
+from corral.model import Batch
 
 EMBEDDINGS_KEPT = 32  # images whose embeddings stay cached per loaded encoder
 IMAGE_FILLER = 0  # the token id an image row carries (its embedding is replaced): any valid row of the table
@@ -86,7 +87,10 @@ class ImageEncoder:
         if kept is not None:
             self._kept.move_to_end(image.digest)
             return kept
-        ctx = self.backend.new_context()
+        # The patches are one sequence's rows: told so, the backend runs each projection over all of them in
+        # one call (without a batch it treats rows as lone decode rows, in chunks of a few: 4x slower here).
+        patches = Batch.single(np.zeros(self.encoder.patch_count, dtype=np.int64))
+        ctx = self.backend.new_context(patches)
         (embeddings,) = ctx.compute(self.encoder.encode(ctx, self.pixels(image)))
         self.encoded += 1
         self._kept[image.digest] = embeddings
