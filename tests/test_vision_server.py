@@ -167,3 +167,25 @@ def test_corral_run_in_process_takes_the_projector_from_the_store(vision_store_r
     result = corral("run", VISION, f"describe {image}", "--temperature", "0", "--num-predict", "2", "--verbose")
     assert result.exit_code == 0, result.output
     assert int(result.output.split("prompt eval count:")[1].split()[0]) >= 16
+
+
+async def test_corral_create_uploads_a_second_from_as_the_projector(vision_server, monkeypatch, tmp_path):
+    url, reference = vision_server
+    monkeypatch.setenv("CORRAL_HOST", url.removeprefix("http://"))
+    modelfile = tmp_path / "Modelfile"
+    modelfile.write_text(f"FROM {reference.model}\nFROM {reference.projector}\n")
+    result = await trio.to_thread.run_sync(corral, "create", "made-here", "-f", str(modelfile))
+    assert result.exit_code == 0, result.output
+    async with httpx.AsyncClient(base_url=url) as client:
+        shown = (await client.post("/api/show", json={"model": "made-here"})).json()
+    assert "vision" in shown["capabilities"] and shown["details"]["family"] == "gemma3"
+
+
+async def test_a_projector_alone_is_not_a_model(vision_server):
+    url, reference = vision_server
+    data = reference.projector.read_bytes()
+    digest = "sha256:" + __import__("hashlib").sha256(data).hexdigest()
+    async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+        assert (await client.post(f"/api/blobs/{digest}", content=data)).status_code in (200, 201)
+        response = await client.post("/api/create", json={"model": "only-eyes", "files": {"mmproj.gguf": digest}, "stream": False})
+    assert response.status_code == 400
