@@ -54,6 +54,7 @@ class ImageEncoder:
     def __init__(self, path: pathlib.Path, encoder: Any, backend: Any):
         self.path, self.encoder, self.backend = path, encoder, backend
         self._kept: collections.OrderedDict[str, Any] = collections.OrderedDict()
+        self._digests: dict[int, str] = {}  # placeholder id -> digest, for a context passed back without its images
         self.encoded = 0  # images actually run through the encoder (not served from the cache)
 
     @classmethod
@@ -94,9 +95,16 @@ class ImageEncoder:
         (embeddings,) = ctx.compute(self.encoder.encode(ctx, self.pixels(image)))
         self.encoded += 1
         self._kept[image.digest] = embeddings
+        self._digests[placeholder_id(image.digest)] = image.digest
         while len(self._kept) > EMBEDDINGS_KEPT:
-            self._kept.popitem(last=False)
+            gone, _ = self._kept.popitem(last=False)
+            self._digests.pop(placeholder_id(gone), None)
         return embeddings
+
+    def kept(self, placeholder: int) -> Any:
+        """The embeddings of the image whose rows carry `placeholder`, if still kept; else None."""
+        digest = self._digests.get(placeholder)
+        return None if digest is None else self._kept.get(digest)
 
 
 def placeholder_id(digest: str) -> int:

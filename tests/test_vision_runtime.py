@@ -85,3 +85,25 @@ async def test_a_model_without_a_projector_refuses_images(gemma3_vision):
         with pytest.raises(ProjectorError, match="no vision projector"):
             async with rt.generate(PROMPT, {"num_predict": 1}, images=[gemma3_vision.image.read_bytes()]) as stream:
                 await stream.collect()
+
+
+async def test_a_context_passed_back_keeps_its_image_while_the_encoder_has_it(model, gemma3_vision):
+    data = gemma3_vision.image.read_bytes()
+    async with Runtime.open(model, num_parallel=1, num_ctx=128) as rt:
+        async with rt.generate(PROMPT, {"temperature": 0, "num_predict": 2}, raw=True, images=[data]) as stream:
+            _, first = await stream.collect()
+        async with rt.generate(" and then?", {"temperature": 0, "num_predict": 2}, raw=True, context=list(first.context)) as stream:
+            _, second = await stream.collect()
+    assert second.prompt_eval_count > len(first.context) and model.vision.encoded == 1
+
+
+async def test_a_context_with_an_image_the_encoder_no_longer_has_is_refused(model, gemma3_vision):
+    data = gemma3_vision.image.read_bytes()
+    async with Runtime.open(model, num_parallel=1, num_ctx=128) as rt:
+        async with rt.generate(PROMPT, {"num_predict": 1}, raw=True, images=[data]) as stream:
+            _, first = await stream.collect()
+    fresh = load_model(gemma3_vision.model, precision="fp32", projector=gemma3_vision.projector)
+    async with Runtime.open(fresh, num_parallel=1, num_ctx=128) as rt:
+        with pytest.raises(InvalidPromptError, match="send the image again"):
+            async with rt.generate("more", {"num_predict": 1}, raw=True, context=list(first.context)) as stream:
+                await stream.collect()

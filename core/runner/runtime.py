@@ -289,20 +289,24 @@ class Runtime:
         return [decode(data) for data in images]
 
     async def _image_runs(self, ids: list[int], images: list[DecodedImage], num_ctx: int) -> tuple[ImageRun, ...]:
-        """Each image of the prompt encoded (or taken from the encoder's cache) at its rows."""
-        if not images:
+        """Each image of the prompt encoded (or taken from the encoder's cache) at its rows: the request's
+        images, and those of a `context` passed back (while the encoder still keeps them)."""
+        vision = self.model.vision
+        if vision is None or not any(token < 0 for token in ids):
             return ()
         if len(ids) > num_ctx:
             raise InvalidPromptError(
-                f"the prompt with its {len(images)} image(s) needs {len(ids)} context cells, more than num_ctx {num_ctx}; "
+                f"the prompt with its image(s) needs {len(ids)} context cells, more than num_ctx {num_ctx}; "
                 "send fewer images or a shorter prompt, or raise num_ctx"
             )
-        vision = self.model.vision
         by_placeholder = {placeholder_id(image.digest): image for image in images}
         runs = []
-        for start, length, token in image_runs(ids, vision.tokens_per_image):
-            image = by_placeholder[token]
-            runs.append(ImageRun(start, await compute.run(vision.encode, image), image.digest))
+        for start, _, token in image_runs(ids, vision.tokens_per_image):
+            image = by_placeholder.get(token)
+            embeddings = await compute.run(vision.encode, image) if image is not None else vision.kept(token)
+            if embeddings is None:
+                raise InvalidPromptError("the context holds an image this model has not seen lately; send the image again with the request")
+            runs.append(ImageRun(start, embeddings, image.digest if image is not None else ""))
         return tuple(runs)
 
     def _embedding_ids(self, inputs: list[str | list[int]], truncate: bool) -> list[list[int]]:
