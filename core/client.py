@@ -278,6 +278,8 @@ def modelfile_fields(path: str | os.PathLike, upload: Callable[[pathlib.Path], s
         fields["files"] = {"model.gguf": _upload_converted(spec.hf_folder, upload)}
     else:
         fields["from"] = spec.from_model
+    if spec.projector_path is not None:  # a second FROM: uploaded too; the server tells it by its content
+        fields["files"] = {**fields.get("files", {}), spec.projector_path.name: upload(spec.projector_path)}
     if modelfile.parameters:
         fields["parameters"] = modelfile.parameters
     if modelfile.messages:

@@ -134,6 +134,9 @@ class DecoderModel(Model):
         """Every row's hidden state after the last block."""
         positions = ctx.input(batch.positions)
         x = self.embed(ctx, ctx.input(batch.inputs))
+        if batch.embeddings is not None:
+            # Image embeddings go in after the token embedding (and its scaling): they are the text model's input as is.
+            x = ctx.put_rows(x, ctx.input(batch.embedding_rows), ctx.float_input(batch.embeddings))
         for i, block in enumerate(self.blocks):
             x = block(ctx, x, positions, cache, i, self)
         return x

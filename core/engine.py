@@ -20,6 +20,7 @@ import attrs
 import numpy as np
 from gguf import LlamaFileType
 
+from corral.errors import CorralError
 from corral.gguf import GGUFFile
 from corral.kvcache import CausalCache
 from corral.memory import release_freed_memory, reuse_large_buffers
@@ -27,6 +28,8 @@ from corral.model import Batch
 from corral.registry import Plugins
 from corral.template import ChatTemplate
 from corral.tokenizer import Tokenizer
+from corral.images import DecodedImage
+from corral.vision import IMAGE_FILLER, ImageEncoder, ImageRun, ProjectorError, image_batch_fields, image_prompt_ids, tag_images
 
 DEFAULT_NUM_CTX = 4096
 
@@ -89,6 +92,7 @@ class LoadedModel:
         self.tokenizer = tokenizer
         self.template = ChatTemplate.from_metadata(gguf.metadata, model.default_chat_template())
         self.plugins = plugins or Plugins()
+        self.vision: ImageEncoder | None = None  # a projector attached with `attach_projector`
 
         self.info = ModelInfo(
             architecture=gguf.architecture,
@@ -137,33 +141,70 @@ class LoadedModel:
         """One forward pass; float32 logits of the batch's output rows."""
         return self.backend.to_numpy(self.compute(batch, cache))
 
-    def logits(self, ids: Sequence[int]) -> np.ndarray:
-        """Logits [len(ids), vocab] from one forward over `ids` with no cache kept."""
+    def logits(self, ids: Sequence[int], images: Sequence[ImageRun] = ()) -> np.ndarray:
+        """Logits [len(ids), vocab] from one forward over `ids` with no cache kept; `images` put
+        embedding rows in place of the ids they cover."""
         if not len(ids):
             raise ValueError("logits() needs at least one token")
-        return self.forward(Batch.single(ids, all_logits=True), self.new_cache(len(ids)))
+        batch = Batch.single([IMAGE_FILLER if token < 0 else token for token in ids], all_logits=True)  # negative: an image's row
+        if images:
+            batch = attrs.evolve(batch, **image_batch_fields(images, range(len(ids)), self.model.bidirectional_images))
+        return self.forward(batch, self.new_cache(len(ids)))
+
+    def attach_projector(self, path: str | os.PathLike) -> ImageEncoder:
+        """Load a vision projector (mmproj) beside this model: images then go through `self.vision`."""
+        if self.model.image_markers() is None:
+            raise ProjectorError(f"{self.info.architecture} models take no images; the projector {path} cannot be used with {self.path.name}")
+        self.vision = ImageEncoder.open(path, self.backend, self.plugins, int(self.model.config.embedding_length))
+        return self.vision
 
     def chat_ids(self, messages: list[dict], tools: list[dict] | None = None, think: bool | str | None = None) -> list[int]:
         """Token ids of `messages` (and the tools on offer) rendered through the chat template; `think` (None: the
         template's default) sets its thinking switch."""
         extra = {} if think is None else {"think": think}
-        ids = self.tokenize(self.template.render(messages, add_generation_prompt=True, tools=tools, **extra), add_special=True)
+        messages, images = self._tag_message_images(messages)
+        ids = self._text_ids(self.template.render(messages, add_generation_prompt=True, tools=tools, **extra), True, images)
         bos = self.tokenizer.bos_id
         if len(ids) > 1 and ids[0] == ids[1] == bos:
             ids = ids[1:]  # the template wrote BOS itself
         return ids
 
-    def prompt_ids(self, prompt: str, raw: bool = False, system: str | None = None, context: Sequence[int] = ()) -> list[int]:
+    def prompt_ids(
+        self, prompt: str, raw: bool = False, system: str | None = None, context: Sequence[int] = (), images: Sequence[DecodedImage] = ()
+    ) -> list[int]:
         """A generate request's token ids: `context` (earlier ids), then the prompt as a user turn unless `raw`.
 
-        BOS is only added at the start of a conversation, never after a `context`.
+        BOS is only added at the start of a conversation, never after a `context`. `images` go where
+        the prompt's `[img-N]` tags say, or before its text; their rows are placeholder ids (`corral.vision`).
         """
         if raw:
-            ids = self.tokenize(prompt, add_special=not context)
+            ids = self._text_ids(tag_images(prompt, len(images)), not context, images)
         else:
             system_turn = [{"role": "system", "content": system}] if system else []
-            ids = self.chat_ids(system_turn + [{"role": "user", "content": prompt}])
+            ids = self.chat_ids(system_turn + [{"role": "user", "content": prompt, "images": list(images)}])
         return list(context) + ids
+
+    def _text_ids(self, text: str, add_special: bool, images: Sequence[DecodedImage]) -> list[int]:
+        """Token ids of a rendered prompt, with `images` in place of their tags."""
+        if not images:
+            return self.tokenize(text, add_special=add_special)
+        if self.vision is None:
+            raise ProjectorError(f"{self.path.name} has no vision projector: it cannot take images")
+        tokenize = lambda piece, first: self.tokenize(piece, add_special=add_special and first)  # noqa: E731
+        return image_prompt_ids(tokenize, text, images, self.model.image_markers(), self.vision.tokens_per_image)
+
+    @staticmethod
+    def _tag_message_images(messages: list[dict]) -> tuple[list[dict], list[DecodedImage]]:
+        """Messages with their `images` turned into `[img-N]` tags before their text, and those images in order."""
+        images: list[DecodedImage] = []
+        tagged = []
+        for message in messages:
+            attached = message.get("images") or ()
+            if attached:
+                message = {**message, "content": tag_images(message.get("content") or "", len(attached), len(images))}
+                images += attached
+            tagged.append({key: value for key, value in message.items() if key != "images"})
+        return tagged, images
 
     def generate(
         self,
@@ -205,6 +246,7 @@ def load_model(
     master: tuple[str, int] | None = None,
     parallel: Any = None,
     stage: Any = None,
+    projector: str | os.PathLike | None = None,
 ) -> LoadedModel:
     """Open a GGUF model (a store name such as "smollm2", or a file path) on a backend plugin (the default one unless named).
 
@@ -214,8 +256,11 @@ def load_model(
     or, with `master` (MASTER_ADDR, MASTER_PORT), waits there for ranks started on other hosts;
     `close()` stops them. `parallel` / `stage` are a rank's own place in such a split
     (corral.parallel), given by the rank processes themselves.
+    `projector`: a vision projector (mmproj) file to attach (not with a split yet).
     """
     if tensor_parallel > 1 or pipeline_parallel > 1:
+        if projector is not None:
+            raise CorralError("a model with a vision projector cannot be split over processes yet (tensor_parallel, pipeline_parallel)")
         if tensor_parallel > 1 and pipeline_parallel > 1:
             from corral.parallel.shards import check_split
 
@@ -248,7 +293,10 @@ def load_model(
         model = StageModel(model, stage)
     gguf.drop_resident_pages()
     release_freed_memory()
-    return LoadedModel(path, gguf, model, tensor_backend, tokenizer, time.perf_counter() - start, plugins)
+    loaded = LoadedModel(path, gguf, model, tensor_backend, tokenizer, time.perf_counter() - start, plugins)
+    if projector is not None:
+        loaded.attach_projector(projector)
+    return loaded
 
 
 def _load_split(

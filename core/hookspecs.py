@@ -24,3 +24,8 @@ def register_samplers(register):
 @hookspec
 def register_tool_parsers(register):
     """Call `register(name, ParserClass)` for each tool-call syntax (a `corral.toolcalls.ToolCallParser`)."""
+
+
+@hookspec
+def register_vision_encoders(register):
+    """Call `register(projector_type, EncoderClass)` for each vision encoder (a projector file's `clip.projector_type`)."""

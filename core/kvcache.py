@@ -88,8 +88,12 @@ class CellPool:
             first_query = batch.positions[batch.sequences == seq].min()
             self.remove(int(seq), 0, int(first_query) - self.window + 1)
 
-    def groups(self, batch: Batch) -> list[tuple[np.ndarray, int, int, np.ndarray]]:
-        """Per sequence in the batch: its rows, its region's first cell, cells to read, and the mask."""
+    def groups(self, batch: Batch, slots: np.ndarray | None = None) -> list[tuple[np.ndarray, int, int, np.ndarray]]:
+        """Per sequence in the batch: its rows, its region's first cell, cells to read, and the mask.
+
+        `slots`: the cells `allocate` gave the batch's rows; with `batch.blocks`, the rows of one
+        block (an image) also see each other's cells, later ones included.
+        """
         out = []
         for seq in _in_order(batch.sequences):
             rows = np.flatnonzero(batch.sequences == seq)
@@ -99,6 +103,8 @@ class CellPool:
             pos, tags = self.pos[start : start + used], region_seq[:used]
             qpos = batch.positions[rows][:, None]
             visible = (tags[None, :] == seq) & (pos[None, :] <= qpos)
+            if batch.blocks is not None and slots is not None:
+                _see_own_block(visible, batch.blocks[rows], slots[rows] - start)
             if self.window is not None:
                 visible &= qpos - pos[None, :] < self.window
             out.append((rows, start, used, visible))
@@ -121,6 +127,13 @@ class CellPool:
     def positions(self, seq: int) -> np.ndarray:
         """Sorted positions `seq` holds in this pool."""
         return np.sort(self.pos[self.seq == seq])
+
+
+def _see_own_block(visible: np.ndarray, blocks: np.ndarray, cells: np.ndarray) -> None:
+    """Let each row of a block (id >= 0) see the cells of every row of its block in this batch."""
+    same = (blocks[:, None] == blocks[None, :]) & (blocks[:, None] >= 0)
+    rows, others = np.nonzero(same)
+    visible[rows, cells[others]] = True
 
 
 def _in_order(sequences: np.ndarray) -> list[int]:
@@ -234,11 +247,12 @@ class CausalCache:
         """Claim cells for the batch's tokens in every pool and describe what each sequence attends to."""
         slots, groups = {}, {}
         for index, pool in enumerate(self.pools):
-            slots[index] = self._rows(pool.allocate(batch))  # a decode row's cell is a slice: written in place
+            cells = pool.allocate(batch)
+            slots[index] = self._rows(cells)  # a decode row's cell is a slice: written in place
             groups[index] = [
                 # Every used cell visible (a decode row without holes or window): no mask to apply.
                 SeqGroup(self._rows(rows), start, used, None if mask.all() else self.backend.from_numpy(mask))
-                for rows, start, used, mask in pool.groups(batch)
+                for rows, start, used, mask in pool.groups(batch, cells)
             ]
         return CacheView(self, slots, groups)
 

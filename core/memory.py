@@ -34,9 +34,12 @@ class MemoryEstimate:
 
 
 def estimate(
-    path: str | os.PathLike, num_ctx: int, num_parallel: int, num_batch: int = 512, plugins: Plugins | None = None
+    path: str | os.PathLike, num_ctx: int, num_parallel: int, num_batch: int = 512, plugins: Plugins | None = None,
+    projector: str | os.PathLike | None = None,
 ) -> MemoryEstimate:
-    """Bytes the model at `path` will need with this context, parallelism and batch size.
+    """Bytes the model at `path` (and its vision `projector`) will need with this context, parallelism and batch size.
+
+    A projector's weights count as its file's size: its tensors are float32 and float16, held dense.
 
     Raises UnknownArchitectureError when no installed plugin runs the file, and what binding raises
     (missing metadata or tensors) when the file does not match its architecture.
@@ -48,7 +51,7 @@ def estimate(
     config = config_from_gguf(model_class.Config, gguf, gguf.architecture)
     num_ctx = min(num_ctx, int(config.context_length))  # the runtime clamps it too
     num_batch = max(1, min(num_batch, num_ctx))  # and the batch to the context
-    weights = backend.resident_bytes(model_class.tensor_plan(gguf))
+    weights = backend.resident_bytes(model_class.tensor_plan(gguf)) + (os.path.getsize(projector) if projector else 0)
     return MemoryEstimate(
         weights=int(weights),
         kv_cache=_kv_cache(backend, model_class.cache_layout(config), num_ctx, num_parallel, num_batch),

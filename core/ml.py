@@ -88,6 +88,22 @@ class Context(Protocol):
     def input(self, values: np.ndarray) -> Tensor:
         """An integer input (token ids, positions, row indices)."""
 
+    def float_input(self, values: Any) -> Tensor:
+        """A float32 input: image pixels, or embeddings (numpy, or a tensor this backend computed) that replace token rows."""
+
+    def put_rows(self, x: Tensor, indices: Tensor, rows: Tensor) -> Tensor:
+        """x [n, dim] with rows `indices` [k] replaced by `rows` [k, dim] (image embeddings in a prompt's rows)."""
+
+    def conv2d(self, x: Tensor, weight: Any, bias: Any, stride: int) -> Tensor:
+        """A 2-D convolution of x [channels, height, width] by a loaded weight [out, channels, kh, kw] -> [out, h', w']
+        (a vision encoder's patch embedding: kernel and stride the patch size)."""
+
+    def permute(self, x: Tensor, dims: Sequence[int]) -> Tensor:
+        """x with its dims reordered (torch.permute)."""
+
+    def matmul(self, x: Tensor, weight: Any) -> Tensor:
+        """x @ weight for a loaded "vector" weight [in, out] stored untransposed (Gemma 3's image projection)."""
+
     def embedding(self, weight: Any, ids: Tensor) -> Tensor:
         """Rows of an embedding table: [n] -> [n, dim]."""
 

@@ -38,6 +38,12 @@ class Batch:
     positions: np.ndarray  # int64 [n]
     sequences: np.ndarray  # int64 [n]
     outputs: np.ndarray  # int64 [k] row indices whose logits are returned, in this order
+    # Images: float rows [m, dim] (numpy, or tensors the backend computed) that replace the token
+    # embeddings of rows `embedding_rows` [m]; rows sharing a `blocks` id >= 0 (one image's) attend
+    # to each other both ways, as Gemma 3's image tokens do; -1 (and no `blocks`): causal.
+    embeddings: Any = None
+    embedding_rows: np.ndarray | None = None
+    blocks: np.ndarray | None = None
 
     @classmethod
     def single(cls, tokens: Sequence[int], start: int = 0, seq: int = 0, all_logits: bool = False) -> Batch:
@@ -264,6 +270,14 @@ class Model:
     @classmethod
     def default_chat_template(cls) -> str | None:
         """The Jinja chat template for files of this architecture that carry none; None means ChatML."""
+        return None
+
+    # Whether one image's embedding rows attend to each other both ways (Gemma 3) rather than causally.
+    bidirectional_images: ClassVar[bool] = False
+
+    @classmethod
+    def image_markers(cls) -> tuple[str, str] | None:
+        """The text before and after an image's embedding rows in a prompt; None: the architecture takes no images."""
         return None
 
     @classmethod

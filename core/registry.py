@@ -20,7 +20,7 @@ from corral.gguf import GGUFFile
 
 ENTRY_POINT_GROUP = "corral"
 ALLOW_ENV = "CORRAL_LOAD_PLUGINS"
-KINDS = ("architectures", "backends", "samplers", "tool_parsers")
+KINDS = ("architectures", "backends", "samplers", "tool_parsers", "vision_encoders")
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +101,23 @@ class Plugins:
     def tool_parsers(self) -> dict[str, Any]:
         """Tool-call family name -> parser class."""
         return self._collect("register_tool_parsers")
+
+    def vision_encoders(self) -> dict[str, Any]:
+        """Projector type (`clip.projector_type`) -> vision encoder class."""
+        return self._collect("register_vision_encoders")
+
+    def vision_encoder_for(self, gguf: GGUFFile) -> type:
+        """The vision encoder class for a projector file; UnknownArchitectureError if none is installed."""
+        encoders = self.vision_encoders()
+        kind = gguf.metadata.get("clip.projector_type")
+        if gguf.architecture != "clip" or kind is None:
+            raise UnknownArchitectureError(f"{gguf.path}: not a vision projector (a `clip` file with `clip.projector_type`)")
+        if kind not in encoders:
+            known = ", ".join(sorted(encoders)) or "none"
+            raise UnknownArchitectureError(
+                f"{gguf.path}: vision projector '{kind}' is not supported (known: {known}); a plugin package may provide it"
+            )
+        return encoders[kind]
 
     def describe(self) -> list[PluginInfo]:
         """Every loaded plugin with its distribution, version and what it registers."""

@@ -220,8 +220,9 @@ class Scheduler:
                 entry = None
             if entry is None:
                 num_ctx = wanted.get("num_ctx") or self.default_num_ctx
+                projector = await trio.to_thread.run_sync(self.store.projector_path, canonical)
                 need = await trio.to_thread.run_sync(
-                    memory.estimate, path, num_ctx, self.num_parallel, wanted.get("num_batch") or 512, self.plugins
+                    memory.estimate, path, num_ctx, self.num_parallel, wanted.get("num_batch") or 512, self.plugins, projector
                 )
                 await self._make_room(need.total)
                 entry = await self._load(canonical, path, wanted)
@@ -267,7 +268,8 @@ class Scheduler:
             num_batch = entry.load_options.get("num_batch") or 512
             template = await trio.to_thread.run_sync(self._template, entry.name)
             await trio.to_thread.run_sync(check_split, entry.path, *self._splits(entry.load_options).values())  # a clear 400 before any runner starts
-            async with self._open_runtime(entry.path, entry.load_options, num_ctx, num_batch, template) as runtime:
+            projector = await trio.to_thread.run_sync(self.store.projector_path, entry.name)
+            async with self._open_runtime(entry.path, entry.load_options, num_ctx, num_batch, template, projector) as runtime:
                 # The runner clamps to the trained context, known only now; this says so when a request asked for more.
                 effective_num_ctx(
                     entry.load_options.get("num_ctx"), runtime.info.context_length, None, self.default_num_ctx,
@@ -287,15 +289,18 @@ class Scheduler:
                 del self.loaded[entry.name]
 
     def _open_runtime(
-        self, path: Any, load_options: dict, num_ctx: int, num_batch: int, template: str | None
+        self, path: Any, load_options: dict, num_ctx: int, num_batch: int, template: str | None, projector: Any = None
     ) -> contextlib.AbstractAsyncContextManager[Runner]:
-        """The model's runner: a child process by default (a native crash cannot take the server down), or in-process."""
+        """The model's runner: a child process by default (a native crash cannot take the server down), or in-process.
+
+        `projector`: the model's vision projector file, loaded beside it."""
         sizes = dict(num_parallel=self.num_parallel, num_ctx=num_ctx, num_batch=num_batch)
         num_thread = load_options.get("num_thread") or 0
         splits = self._splits(load_options)
+        projector = str(projector) if projector else None
         if self.runner == "inprocess":
-            return Runtime.open(str(path), **sizes, plugins=self.plugins, template=template, num_thread=num_thread, **splits)
-        return RunnerProcess.open(path, **sizes, template=template, num_thread=num_thread, **splits)
+            return Runtime.open(str(path), **sizes, plugins=self.plugins, template=template, num_thread=num_thread, projector=projector, **splits)
+        return RunnerProcess.open(path, **sizes, template=template, num_thread=num_thread, projector=projector, **splits)
 
     def _splits(self, load_options: dict) -> dict[str, int]:
         """How many processes the model is split over: the request's options, else the server's defaults."""

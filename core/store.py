@@ -396,6 +396,16 @@ class Store:
             raise ModelNotFoundError(f"model '{model_name}' not found, try pulling it first")
         return self.blob_path(layer.digest)
 
+    def projector_path(self, name: str | ModelName) -> Path | None:
+        """The vision projector (Ollama's `projector` layer) of a model in the store; None when it has none."""
+        manifest = self.manifest(parse_name(name))
+        layer = manifest.layer(PROJECTOR_MEDIA_TYPE) if manifest else None
+        if layer is None:
+            return None
+        if not self.has_blob(layer.digest):
+            raise ModelNotFoundError(f"model '{name}' lacks its projector blob {layer.digest}; pull it again")
+        return self.blob_path(layer.digest)
+
     def write_manifest(self, name: str | ModelName, layers: Iterable[tuple[str, str]]) -> Manifest:
         """Write a model's manifest from (media type, digest) pairs whose blobs are in the store."""
         model_name = parse_name(name)

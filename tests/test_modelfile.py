@@ -83,7 +83,7 @@ def test_parse(text, expected):
         ("FROM m\nMESSAGE tool hi", 2, "role 'tool' must be one of system, user, assistant"),
         ("FROM m\nMESSAGE user", 2, "MESSAGE user needs a value"),
         ("FROM m\nADAPTER ./lora.gguf", 2, "ADAPTER is not supported"),
-        ("FROM m\nFROM n", 2, "one FROM"),
+        ("FROM m\nFROM p.gguf\nFROM n", 3, "at most two FROM lines"),
         ('FROM m\nSYSTEM """open\nstill open\n', 2, 'opened with """ is never closed'),
         ('FROM m\n\nTEMPLATE "open', 3, 'opened with " is never closed'),
     ],

@@ -6,6 +6,7 @@ import pathlib
 from collections.abc import Iterator
 from typing import Any
 
+from corral.runner.wire import images_to_json
 from corral.cli.display import PullProgress, err_console
 from corral.client import Client, ServerError
 from corral.modelfile.defaults import ModelDefaults, format_parameters, model_defaults
@@ -44,7 +45,10 @@ def chat_backend(model: str, keep_alive: str | None, fmt: Any, precision: str, p
 
     pull_in_process_if_missing(model)
     models = store.default_store()
-    return LocalChat(str(models.model_path(model)), model_defaults(models, model), fmt, precision, num_ctx, name=model)
+    projector = models.projector_path(model)
+    return LocalChat(
+        str(models.model_path(model)), model_defaults(models, model), fmt, precision, num_ctx, name=model, projector=projector and str(projector)
+    )
 
 
 def pull_in_process_if_missing(model: str) -> None:
@@ -80,6 +84,7 @@ class ServerChat:
 
     def stream(self, messages: list[dict], options: dict) -> Iterator[str]:
         """The reply's text pieces; `metrics` holds the final chunk's figures afterwards."""
+        messages = [{**m, "images": images_to_json(m["images"])} if m.get("images") else m for m in messages]  # base64, as the API takes them
         chunks = self.client.chat(self.model, messages, options=options or None, keep_alive=self.keep_alive, format=self.format,
                                   think=self.think)
         for chunk in chunks:
@@ -108,7 +113,8 @@ class LocalChat:
     DEFAULT_NUM_PREDICT = 512  # unless the session or the Modelfile says otherwise: an answer ends here
 
     def __init__(
-        self, path: str, defaults: ModelDefaults, fmt: Any, precision: str = "auto", num_ctx: int | None = None, name: str | None = None
+        self, path: str, defaults: ModelDefaults, fmt: Any, precision: str = "auto", num_ctx: int | None = None, name: str | None = None,
+        projector: str | None = None,
     ):  # fmt: skip
         from corral.discover import context_default, system_info
         from corral.runner.blocking import BlockingRuntime
@@ -122,7 +128,7 @@ class LocalChat:
         self._default_num_ctx = num_ctx or defaults.options.get("num_ctx") or context_default(system_info())
         template = defaults.chat_template(name or path)
         with err_console.status("loading"):
-            self._runtime = BlockingRuntime(path, num_ctx=self._default_num_ctx, precision=precision, template=template)
+            self._runtime = BlockingRuntime(path, num_ctx=self._default_num_ctx, precision=precision, template=template, projector=projector)
         self._load_ns = int(self._runtime.model.info.load_seconds * 1e9)
 
     def stream(self, messages: list[dict], options: dict) -> Iterator[str]:

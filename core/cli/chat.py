@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pathlib
+import re
 import sys
 from typing import Any
 
@@ -32,8 +34,13 @@ class ChatSession:
         return system + self.history
 
     def ask(self, text: str) -> str:
-        """Send a user turn, echo the reply as it streams, and keep both in the history."""
-        self.history.append({"role": "user", "content": text})
+        """Send a user turn, echo the reply as it streams, and keep both in the history.
+
+        Paths of image files in the text (`describe ./cat.png`) are attached to the turn as Ollama's CLI
+        attaches them, and taken out of its text.
+        """
+        text, images = attach_images(text)
+        self.history.append({"role": "user", "content": text} | ({"images": images} if images else {}))
         pieces: list[str] = []
         thinking = False
         try:
@@ -60,6 +67,29 @@ class ChatSession:
         if self.verbose:
             print_metrics(self.backend.metrics)
         return reply
+
+
+# An image file's path in a message: absolute, ~, ./ or ../, spaces escaped with a backslash, one of these extensions.
+IMAGE_PATH = re.compile(r"(?:~|\.{1,2})?/(?:[^\s\\'\"]|\\ )+?\.(?:png|jpe?g|webp|gif|bmp)\b", re.IGNORECASE)
+
+
+def attach_images(text: str) -> tuple[str, list[bytes]]:
+    """The text without the paths of the image files it names, and those files' bytes, in order.
+
+    A path that names no file stays in the text; a file that cannot be read is an error."""
+    images: list[bytes] = []
+    kept = text
+    for match in IMAGE_PATH.finditer(text):
+        path = pathlib.Path(match.group(0).replace("\\ ", " ")).expanduser()
+        if not path.is_file():
+            continue
+        try:
+            images.append(path.read_bytes())
+        except OSError as exc:
+            raise CorralError(f"cannot read the image {path}: {exc.strerror}") from None
+        click.secho(f"Added image '{path}'", dim=True, err=True)
+        kept = kept.replace(match.group(0), "", 1)
+    return (" ".join(kept.split()) if images else text), images
 
 
 INTERACTIVE_HELP = """Available Commands:

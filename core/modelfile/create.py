@@ -34,6 +34,7 @@ from corral.store import (
     MESSAGES_MEDIA_TYPE,
     MODEL_MEDIA_TYPE,
     PARAMS_MEDIA_TYPE,
+    PROJECTOR_MEDIA_TYPE,
     SYSTEM_MEDIA_TYPE,
     TEMPLATE_MEDIA_TYPE,
     Layer,
@@ -69,6 +70,7 @@ class ModelSpec:
     messages: tuple[Message, ...] = ()  # empty: keep the base's
     license: tuple[str, ...] = ()  # added to the base's
     quantize: str | None = None  # a preset name (q4_K_M, q8_0, ...): the base's weights quantized to it
+    projector_path: Path | None = attrs.field(default=None, converter=attrs.converters.optional(Path))  # a vision projector GGUF
 
     def __attrs_post_init__(self) -> None:
         given = [v for v in (self.from_model, self.gguf_blob, self.gguf_path, self.hf_folder) if v is not None]
@@ -83,8 +85,14 @@ class ModelSpec:
             base = {"hf_folder": source} if source.is_dir() else {"gguf_path": source}
         else:
             base = {"from_model": source}
+        projector = None
+        if modelfile.projector is not None:
+            projector = _resolve_from(modelfile.projector, directory)
+            if not isinstance(projector, Path) or not projector.is_file():
+                raise ModelfileError(f"FROM {modelfile.projector}: a second FROM names a vision projector GGUF file, and there is no such file")
         return cls(
             **base,
+            projector_path=projector,
             template=modelfile.template,
             system=modelfile.system,
             parameters=dict(modelfile.parameters) if modelfile.parameters else None,
@@ -119,6 +127,8 @@ def check_spec(store: Store, spec: ModelSpec) -> tuple[Layer, ...]:
     """Validate a spec without writing anything; returns the base model's layers (empty for a GGUF)."""
     if spec.template:
         _check_template(spec.template)
+    if spec.projector_path is not None:
+        _check_projector(spec.projector_path)
     if spec.from_model is not None:
         base = parse_name(spec.from_model)
         manifest = store.manifest(base)
@@ -160,12 +170,30 @@ def _check_quantize(path: Path, quantize: str | None) -> None:
         check_quantizable(path, quantize)
 
 
+def _check_projector(path: Path) -> None:
+    """A second FROM must be a vision projector an installed encoder plugin reads (llama.cpp's `clip` file)."""
+    try:
+        gguf = GGUFFile.open(path)
+    except GGUFError as error:
+        raise CreateModelError(f"{path.name} is not a usable GGUF projector: {str(error).removeprefix(f'{path}: ')}") from None
+    except OSError as error:
+        raise CreateModelError(f"cannot read {path.name}: {error.strerror}") from None
+    try:
+        Plugins().vision_encoder_for(gguf)
+    except UnknownArchitectureError as error:
+        raise CreateModelError(f"the second FROM must be a vision projector (mmproj) GGUF: {str(error).removeprefix(f'{path}: ')}") from None
+    finally:
+        gguf.close()
+
+
 def _check_gguf(path: Path, what: str) -> None:
     """The file must bind to an installed architecture (metadata, tensor names, shapes; no weight is read):
     a model that could never load is refused here, not answered with an error by every later request."""
     try:
         gguf = GGUFFile.open(path)
         try:
+            if gguf.architecture == "clip":
+                raise CreateModelError(f"{what} is a vision projector, not a model: give the model first and the projector as a second FROM")
             check_binds(Plugins().architecture_for(gguf), gguf)
             _check_tokenizer(gguf.metadata)
         finally:
@@ -215,6 +243,9 @@ def create_model(store: Store, name: str | ModelName, spec: ModelSpec, progress:
         layers.append((MODEL_MEDIA_TYPE, spec.gguf_blob))
     elif spec.gguf_path is not None:
         layers.append((MODEL_MEDIA_TYPE, _stored_file(store, spec.gguf_path, created)))
+    if spec.projector_path is not None:
+        layers[:] = [layer for layer in layers if layer[0] != PROJECTOR_MEDIA_TYPE]
+        layers.append((PROJECTOR_MEDIA_TYPE, _stored_file(store, spec.projector_path, created)))
     new: dict[str, bytes] = {}  # digest -> content of the layers this create adds
 
     def replace(media_type: str, content: bytes | None) -> None:

@@ -55,10 +55,10 @@ class ModelDefaults:
         """The TEMPLATE to render `model`'s chats with instead of its file's (Jinja or Ollama's Go: corral.template decides)."""
         return self.template or None
 
-    def to_modelfile(self, from_: str) -> Modelfile:
-        """The Modelfile that recreates the model from `from_` (what /api/show prints)."""
+    def to_modelfile(self, from_: str, projector: str | None = None) -> Modelfile:
+        """The Modelfile that recreates the model from `from_` and its `projector` (what /api/show prints)."""
         parameters = {name: self.options[name] for name in STANDARD_OPTIONS if name in self.options}
-        return Modelfile(from_, parameters, self.template, self.system, self.messages, self.license)
+        return Modelfile(from_, parameters, self.template, self.system, self.messages, self.license, projector)
 
 
 def model_defaults(store: Store, name: str | ModelName) -> ModelDefaults:

@@ -91,6 +91,7 @@ class Modelfile:
     system: str | None = None
     messages: tuple[Message, ...] = ()
     license: tuple[str, ...] = ()
+    projector: str | None = None  # a second FROM: the vision projector (mmproj) GGUF, as Ollama takes it
 
     @classmethod
     def parse(cls, text: str) -> Modelfile:
@@ -104,7 +105,7 @@ class Modelfile:
 
     def render(self) -> str:
         """The Modelfile as text that parses back to an equal Modelfile."""
-        lines = [f"FROM {self.from_}"]
+        lines = [f"FROM {self.from_}"] + ([f"FROM {self.projector}"] if self.projector is not None else [])
         if self.template is not None:
             lines.append(f"TEMPLATE {_quote(self.template)}")
         if self.system is not None:
@@ -142,9 +143,9 @@ class _Parser:
                     raise ModelfileError(f"message role {role!r} must be one of {', '.join(MESSAGE_ROLES)}", line)
                 found["messages"].append(Message(role, self._value(f"{word} {role}")))
             elif instruction == "from":
-                if "from_" in found:
-                    raise ModelfileError("a Modelfile has one FROM; remove the extra one", line)
-                found["from_"] = self._value(word)
+                if "projector" in found:
+                    raise ModelfileError("a Modelfile has at most two FROM lines (the model, then its vision projector)", line)
+                found["projector" if "from_" in found else "from_"] = self._value(word)
             elif instruction == "license":
                 found["license"].append(self._value(word))
             else:

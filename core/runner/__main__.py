@@ -26,7 +26,7 @@ import attrs
 import trio
 
 from corral.errors import CorralError
-from corral.runner.wire import JsonLines, chunk_to_json, error_to_json
+from corral.runner.wire import JsonLines, chunk_to_json, error_to_json, images_from_json
 from corral.runner.runtime import Runtime
 
 log = logging.getLogger("corral.runner.child")
@@ -84,6 +84,7 @@ class RunnerServer:
 
     async def _stream(self, op: str, args: dict, lines: JsonLines) -> None:
         start = self.runtime.generate if op == "generate" else self.runtime.chat
+        args = images_from_json(op, args)
         with trio.CancelScope() as scope:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_cancel_on_close, lines.stream, scope)
@@ -119,7 +120,7 @@ async def serve(args: argparse.Namespace, template: str | None, handshake: IO[st
         async with Runtime.open(
             args.model, num_parallel=args.num_parallel, num_ctx=args.num_ctx, num_batch=args.num_batch,
             precision=args.precision, device=args.device, template=template, num_thread=args.num_thread,
-            tensor_parallel=args.tensor_parallel, pipeline_parallel=args.pipeline_parallel,
+            tensor_parallel=args.tensor_parallel, pipeline_parallel=args.pipeline_parallel, projector=args.projector,
         ) as runtime:
             ready = True
             token = secrets.token_hex(16)
@@ -199,6 +200,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tensor-parallel", type=int, default=1, help="rank processes the model is split over (corral.parallel)")
     p.add_argument("--pipeline-parallel", type=int, default=1, help="stages the model's blocks are split into (corral.parallel)")
     p.add_argument("--template-file", default=None, help="a Jinja chat template to use instead of the file's")
+    p.add_argument("--projector", default=None, help="path of a vision projector (mmproj) GGUF to load beside the model")
     return p
 
 

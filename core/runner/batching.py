@@ -20,6 +20,7 @@ from corral.kvcache import CausalCache, shift_sequence
 from corral.model import Batch
 from corral.runner import compute
 from corral.sample import SampleResult, SamplerChain, SequenceSampler
+from corral.vision import IMAGE_FILLER, ImageRun, image_batch_fields
 
 EVENT_BUFFER = 64  # tokens a sequence may run ahead of its reader before it is paused
 ARRIVAL_WAIT = 0.01  # seconds the first step after idling waits for requests still on their way
@@ -63,6 +64,8 @@ class Sequence:
     started_ns: int = attrs.field(factory=time.perf_counter_ns)
     first_token_ns: int = 0
     last_token_ns: int = 0
+    images: tuple[ImageRun, ...] = ()  # the prompt's images, by prompt index; a chunk never cuts one
+    bidirectional_images: bool = False
 
     @property
     def decoding(self) -> bool:
@@ -95,20 +98,33 @@ def plan_step(sequences: list[Sequence], budget: int) -> list[tuple[Sequence, in
     for seq in runnable:
         if seq.decoding:
             continue
-        chunk = min(len(seq.pending), budget)
-        if chunk > left:
+        chunk = image_chunk(seq, min(len(seq.pending), budget))
+        if chunk > left and (left < budget or chunk <= budget):
             break  # first come, first served: later prompts do not overtake this one
         plan.append((seq, chunk))
         left -= chunk
     return plan
 
 
+def image_chunk(seq: Sequence, chunk: int) -> int:
+    """`chunk` moved so that no image is cut: it ends before an image it would cut, or, starting at
+    an image, takes it whole (even past the budget: an image's rows attend to each other in one pass)."""
+    start = len(seq.cached)
+    for run in seq.images:
+        if run.start < start + chunk < run.start + run.length:
+            return run.start - start if run.start > start else run.start + run.length - start
+    return chunk
+
+
 def build_batch(plan: list[tuple[Sequence, int]]) -> tuple[Batch, list[Sequence]]:
     """The Batch for a plan and the sequences whose last row yields logits, in output order."""
     inputs, positions, seqs, outputs, emitting = [], [], [], [], []
+    images: list[tuple[ImageRun, int, bool]] = []  # a run, the batch row of its first row, whether it is bidirectional
     row = 0
     for seq, count in plan:
-        inputs += seq.pending[:count]
+        start = len(seq.cached)  # the prompt index of pending[0]
+        images += [(run, row + run.start - start, seq.bidirectional_images) for run in seq.images if start <= run.start < start + count]
+        inputs += [IMAGE_FILLER if token < 0 else token for token in seq.pending[:count]]
         positions += range(seq.position, seq.position + count)
         seqs += [seq.id] * count
         row += count
@@ -116,7 +132,17 @@ def build_batch(plan: list[tuple[Sequence, int]]) -> tuple[Batch, list[Sequence]
             outputs.append(row - 1)
             emitting.append(seq)
     as_array = functools.partial(np.asarray, dtype=np.int64)
-    return Batch(as_array(inputs), as_array(positions), as_array(seqs), as_array(outputs)), emitting
+    batch = Batch(as_array(inputs), as_array(positions), as_array(seqs), as_array(outputs))
+    return (attrs.evolve(batch, **batch_images(images, row)) if images else batch), emitting
+
+
+def batch_images(images: list[tuple[ImageRun, int, bool]], rows: int) -> dict:
+    """The image fields of a batch of `rows` rows (`image_batch_fields` with each run at its batch row)."""
+    fields = image_batch_fields([attrs.evolve(run, start=first) for run, first, _ in images], range(rows), bidirectional=True)
+    for run, first, bidirectional in images:
+        if not bidirectional:
+            fields["blocks"][first : first + run.length] = -1
+    return fields
 
 
 @attrs.define

@@ -31,7 +31,7 @@ import trio
 from corral.engine import ModelInfo
 from corral.runner.interface import Embeddings, RunnerStatus, Stream
 from corral.runner.stream import Chunk
-from corral.runner.wire import JsonLines, RunnerError, chunk_from_json, error_from_json  # noqa: F401 (RunnerError is re-exported)
+from corral.runner.wire import JsonLines, RunnerError, chunk_from_json, error_from_json, images_to_json  # noqa: F401 (RunnerError is re-exported)
 
 log = logging.getLogger("corral.runner")
 
@@ -156,6 +156,7 @@ class RunnerProcess:
         precision: str = "auto",
         device: str | None = None,
         template: str | None = None,
+        projector: str | os.PathLike | None = None,
         env: dict[str, str] | None = None,
         load_timeout: float | None = None,
         health_interval: float = HEALTH_INTERVAL,
@@ -173,7 +174,7 @@ class RunnerProcess:
             "--num-parallel", str(num_parallel), "--num-ctx", str(num_ctx), "--num-batch", str(num_batch),
             "--precision", precision, "--num-thread", str(num_thread), "--tensor-parallel", str(tensor_parallel),
             "--pipeline-parallel", str(pipeline_parallel),
-        ] + (["--device", device] if device else [])
+        ] + (["--device", device] if device else []) + (["--projector", os.fspath(projector)] if projector else [])
         template_file = _write_template(template) if template is not None else None
         if template_file:
             command += ["--template-file", template_file]
@@ -258,10 +259,11 @@ class RunnerProcess:
         logprobs: bool = False,
         top_logprobs: int = 0,
         format: str | dict | None = None,
+        images: Sequence[bytes] = (),
     ) -> contextlib.AbstractAsyncContextManager[Stream]:
         """Stream the completion of `prompt`, as `Runtime.generate` does."""
         args = dict(prompt=prompt, options=options, raw=raw, system=system, context=context, shift=shift,
-                    logprobs=logprobs, top_logprobs=top_logprobs, format=format)
+                    logprobs=logprobs, top_logprobs=top_logprobs, format=format, images=images_to_json(images))
         return self._stream("generate", args)
 
     def chat(
@@ -277,6 +279,7 @@ class RunnerProcess:
         think: bool | str | None = None,
     ) -> contextlib.AbstractAsyncContextManager[Stream]:
         """Stream the assistant's reply to `messages`, as `Runtime.chat` does."""
+        messages = [{**m, "images": images_to_json(m["images"])} if m.get("images") else m for m in messages]
         args = dict(messages=messages, options=options, tools=tools, shift=shift, logprobs=logprobs,
                     top_logprobs=top_logprobs, format=format, think=think)
         return self._stream("chat", args)

@@ -34,6 +34,8 @@ from corral.runner.interface import Embeddings, EmbeddingsUnsupportedError, Gene
 from corral.runner.sequence import SequenceActor, truncate_prompt
 from corral.runner.slots import SlotPool
 from corral.runner.stream import Chunk
+from corral.images import DecodedImage, decode
+from corral.vision import ImageRun, ProjectorError, image_runs, placeholder_id
 from corral.sample import MAX_TOP_LOGPROBS, SamplerChain
 
 
@@ -113,6 +115,7 @@ class Runtime:
         num_thread: int = 0,
         tensor_parallel: int = 1,
         pipeline_parallel: int = 1,
+        projector: str | None = None,
     ) -> AsyncIterator[Runtime]:
         """Load `model` (a store name or a GGUF path) and serve it until the block exits.
 
@@ -122,6 +125,7 @@ class Runtime:
         > 1 the blocks into that many stages (corral.parallel); the ranks stop when the block exits,
         and a rank that dies ends the runtime with RankFailedError. A `LoadedModel` is served as it
         is, with its plugins (`precision`, `device`, `num_thread` and the splits do not apply).
+        `projector`: a vision projector (mmproj) file loaded beside the model, so requests may carry images.
         """
         for key, value in (("tensor_parallel", tensor_parallel), ("pipeline_parallel", pipeline_parallel)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -134,7 +138,7 @@ class Runtime:
             owned = loaded = await compute.run(
                 functools.partial(
                     load_model, model, precision=precision, device=device, plugins=plugins, num_thread=num_thread,
-                    tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
+                    tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel, projector=projector,
                 )
             )
         try:
@@ -153,6 +157,10 @@ class Runtime:
             loaded = loaded.with_template(template)  # a model the caller passed in stays as it was
         # As llama.cpp: a batch never exceeds the context, so a huge num_batch cannot size a huge buffer.
         num_batch = max(1, min(num_batch, num_ctx, loaded.info.context_length))
+        if loaded.vision is not None:
+            # An image's rows go in one pass (they attend to each other), so a pass must hold one: as llama.cpp
+            # asks n_batch >= an image's tokens, the batch grows to it.
+            num_batch = max(num_batch, loaded.vision.tokens_per_image)
         cache = await compute.run(new_cache, loaded, min(num_ctx, loaded.info.context_length), num_parallel, num_batch)
         async with trio.open_nursery() as nursery:
             runtime = cls(loaded, cache, nursery, plugins, num_parallel, num_ctx, num_batch)
@@ -245,16 +253,19 @@ class Runtime:
         logprobs: bool = False,
         top_logprobs: int = 0,
         format: str | dict | None = None,
+        images: tuple[bytes, ...] | list[bytes] = (),
     ) -> contextlib.AbstractAsyncContextManager[Stream]:
         """Stream the completion of `prompt` (wrapped in the chat template as a user turn unless `raw`).
 
         `format` ("json" or a JSON-schema object) constrains the output to one such JSON value.
+        `images` (image files' bytes) go where the prompt's `[img-N]` tags say, or before its text.
         """
         opts = self.parse_options(options)
         grammar = compile_format(format)
 
-        def prompt_ids() -> list[int]:
-            return self.model.prompt_ids(prompt, raw=raw, system=system, context=context or ())
+        def prompt_ids() -> tuple[list[int], list[DecodedImage]]:
+            decoded = self._decode_images(images)
+            return self.model.prompt_ids(prompt, raw=raw, system=system, context=context or (), images=decoded), decoded
 
         return self._stream(prompt_ids, opts, shift, logprobs, top_logprobs, grammar)
 
@@ -272,6 +283,8 @@ class Runtime:
     ) -> contextlib.AbstractAsyncContextManager[Stream]:
         """Stream the assistant's reply to `messages`; the oldest turns are dropped if they do not fit.
 
+        A message's `images` (image files' bytes) go before its text, or where its `[img-N]` tags say.
+
         `think` (true/false or an effort level; None: the template's default) sets the template's thinking switch.
 
         `format` ("json" or a JSON-schema object) constrains the reply to one such JSON value.
@@ -279,9 +292,12 @@ class Runtime:
         opts = self.parse_options(options)
         grammar = compile_format(format)
         num_ctx = self._num_ctx(opts)
-        return self._stream(
-            lambda: self._fit_messages(messages, num_ctx, tools, think), opts, shift, logprobs, top_logprobs, grammar
-        )
+
+        def prompt_ids() -> tuple[list[int], list[DecodedImage]]:
+            decoded = [{**m, "images": self._decode_images(m["images"])} if m.get("images") else m for m in messages]
+            return self._fit_messages(decoded, num_ctx, tools, think), [image for m in decoded for image in m.get("images") or ()]
+
+        return self._stream(prompt_ids, opts, shift, logprobs, top_logprobs, grammar)
 
     async def tokenize(self, text: str, add_special: bool = True) -> list[int]:
         """Token ids of `text`."""
@@ -294,6 +310,33 @@ class Runtime:
     # --- internals ------------------------------------------------------------------------
     def _num_ctx(self, opts: Options) -> int:
         return min(opts.num_ctx or self.num_ctx, self.num_ctx)
+
+    def _decode_images(self, images: tuple[bytes, ...] | list[bytes]) -> list[DecodedImage]:
+        """The request's images read (ImageError for one that is not); ProjectorError when the model cannot see."""
+        if images and self.model.vision is None:
+            raise ProjectorError(f"{self.info.name} has no vision projector: it does not support images")
+        return [decode(data) for data in images]
+
+    async def _image_runs(self, ids: list[int], images: list[DecodedImage], num_ctx: int) -> tuple[ImageRun, ...]:
+        """Each image of the prompt encoded (or taken from the encoder's cache) at its rows: the request's
+        images, and those of a `context` passed back (while the encoder still keeps them)."""
+        vision = self.model.vision
+        if vision is None or not any(token < 0 for token in ids):
+            return ()
+        if len(ids) > num_ctx:
+            raise InvalidPromptError(
+                f"the prompt with its image(s) needs {len(ids)} context cells, more than num_ctx {num_ctx}; "
+                "send fewer images or a shorter prompt, or raise num_ctx"
+            )
+        by_placeholder = {placeholder_id(image.digest): image for image in images}
+        runs = []
+        for start, _, token in image_runs(ids, vision.tokens_per_image):
+            image = by_placeholder.get(token)
+            embeddings = await compute.run(vision.encode, image) if image is not None else vision.kept(token)
+            if embeddings is None:
+                raise InvalidPromptError("the context holds an image this model has not seen lately; send the image again with the request")
+            runs.append(ImageRun(start, embeddings, image.digest if image is not None else ""))
+        return tuple(runs)
 
     def _embedding_ids(self, inputs: list[str | list[int]], truncate: bool) -> list[list[int]]:
         """Each input's token ids, within the context."""
@@ -400,13 +443,14 @@ class Runtime:
 
     async def _sequence(self, prompt_ids, opts: Options, shift, logprobs, top_logprobs, grammar, out, request: Request) -> None:
         num_ctx = self._num_ctx(opts)
-        ids = await trio.to_thread.run_sync(prompt_ids)
+        ids, images = await trio.to_thread.run_sync(prompt_ids)
+        runs = await self._image_runs(ids, images, num_ctx)
         # The model's first constrained request builds its llguidance tokenizer: off the event loop.
         matcher = await trio.to_thread.run_sync(GrammarMatcher.start, self.model.tokenizer, grammar) if grammar else None
         if not ids:
             raise InvalidPromptError("the prompt is empty")
         vocab = self.model.tokenizer.vocab_size
-        if not all(0 <= token < vocab for token in ids):
+        if not all(0 <= token < vocab or (token < 0 and runs) for token in ids):  # negative: an image's rows
             raise InvalidPromptError(f"the context has token ids outside the vocabulary of {vocab} tokens; pass back a context this model returned")
         num_keep = min(len(ids) if opts.num_keep < 0 else opts.num_keep, num_ctx - 1)  # -1: the whole prompt
         ids = truncate_prompt(ids, num_ctx, num_keep)
@@ -433,6 +477,8 @@ class Runtime:
             shift=shift,
             top_logprobs=top_logprobs if logprobs else 0,
             logprobs=logprobs,
+            images=tuple(run for run in runs if run.start >= reused),
+            bidirectional_images=self.model.model.bidirectional_images,
         )
         request.seq, request.state = seq, RequestState.RUNNING
         self.batcher.arrived()
@@ -451,6 +497,8 @@ class Runtime:
                 break
             common += 1
         common = min(common, len(prompt) - 1)
+        while common and prompt[common] < 0 and prompt[common - 1] == prompt[common]:
+            common -= 1  # never reuse part of an image: its rows are computed together
         if common and not self.cache.has_window_cells(slot, common):
             return 0  # a sliding-window layer already forgot what the prefix's end needs
         return common

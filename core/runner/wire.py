@@ -5,6 +5,7 @@ Shared by the runner process (`python -m corral.runner`) and the server's Runner
 
 from __future__ import annotations
 
+import base64
 import json
 from typing import Any
 
@@ -100,3 +101,16 @@ def _corral_errors() -> dict[str, type[CorralError]]:
         found.setdefault(cls.__name__, cls)
         todo.extend(cls.__subclasses__())
     return found
+
+
+def images_to_json(images: Any) -> list[str]:
+    """Image files' bytes as base64 text for the wire."""
+    return [base64.b64encode(bytes(data)).decode("ascii") for data in images or ()]
+
+
+def images_from_json(op: str, args: dict) -> dict:
+    """A generate or chat call's arguments with its images (base64 on the wire) back as bytes."""
+    if op == "generate":
+        return {**args, "images": [base64.b64decode(text) for text in args.get("images") or ()]}
+    messages = [{**m, "images": [base64.b64decode(text) for text in m["images"]]} if m.get("images") else m for m in args.get("messages") or ()]
+    return {**args, "messages": messages}

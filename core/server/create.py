@@ -20,6 +20,8 @@ import attrs
 import quart
 import trio
 
+from corral.errors import GGUFError
+from corral.gguf import GGUFFile
 from corral.modelfile.create import CreateModelError, ModelSpec, check_spec, create_model, parse_messages, validate_parameters
 from corral.modelfile.syntax import Modelfile
 from corral.quantize import preset
@@ -104,6 +106,9 @@ def _spec_from_body(body: dict) -> tuple[ModelSpec, list[dict]]:
         fields = attrs.asdict(ModelSpec.from_modelfile(Modelfile.parse(text), directory), recurse=False)
     from_model = field(body, "from", str, None)
     files = field(body, "files", dict, None)
+    files, projector = _split_projector(files) if files else (files, None)
+    if projector is not None:
+        fields["projector_path"] = state().store.blob_path(projector)
     if from_model and files:
         raise ApiError(400, "give either `from` (a model name) or `files` (uploaded GGUF blobs), not both")
     if from_model or files:
@@ -125,6 +130,35 @@ def _spec_from_body(body: dict) -> tuple[ModelSpec, list[dict]]:
     return ModelSpec(**fields), events
 
 
+def _split_projector(files: dict) -> tuple[dict, str | None]:
+    """The uploaded files without the vision projector among them (a `clip` GGUF, as Ollama tells it by its
+    content), and the projector's digest; 400 for two projectors."""
+    if not all(isinstance(name, str) and isinstance(digest, str) for name, digest in files.items()):
+        raise ApiError(400, "files must map file names to blob digests (sha256:<hex>)")
+    store = state().store
+    projectors = []
+    for name, digest in files.items():
+        path = store.blob_path(parse_digest(digest))
+        if name.lower().endswith(".gguf") and path.is_file() and _is_projector(path):
+            projectors.append(name)
+    if len(projectors) > 1:
+        raise ApiError(400, f"one vision projector per model; got {', '.join(sorted(projectors))}")
+    if not projectors:
+        return files, None
+    return {name: digest for name, digest in files.items() if name != projectors[0]}, parse_digest(files[projectors[0]])
+
+
+def _is_projector(path: Path) -> bool:
+    try:
+        gguf = GGUFFile.open(path)
+    except (GGUFError, OSError):
+        return False  # the model check reports it
+    try:
+        return gguf.get("general.architecture") == "clip"
+    finally:
+        gguf.close()
+
+
 def _gguf_digest(files: dict) -> str:
     """The digest of the one GGUF among the uploaded files."""
     if not all(isinstance(name, str) and isinstance(digest, str) for name, digest in files.items()):
@@ -135,7 +169,7 @@ def _gguf_digest(files: dict) -> str:
         raise CreateModelError(
             f"corral creates a model from one GGUF file; got {', '.join(sorted(files))}"
             " (uploaded safetensors are not converted: name their folder in a Modelfile, FROM ./dir;"
-            " split GGUFs and projector files are not supported)"
+            " split GGUFs are not supported)"
         )
     return parse_digest(files[ggufs[0]])
 

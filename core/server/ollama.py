@@ -14,7 +14,7 @@ from corral.runner.stream import Chunk
 from corral.scheduler import parse_keep_alive
 from corral.server import generation
 from corral.server.http import ApiError, field, ndjson_response, now_rfc3339, read_json
-from corral.server.refusals import refuse_fields, refuse_images
+from corral.server.refusals import decode_base64_images, refuse_fields, refuse_images
 from corral.server.state import state
 from corral.gotemplate import OllamaTemplate
 from corral.template import ChatTemplate, renders_suffix
@@ -172,7 +172,7 @@ async def generate():
     suffix = field(body, "suffix", str, "")
     if parse_think(body.get("think")):
         raise ApiError(400, "think is supported on /api/chat; /api/generate does not split thinking yet")
-    images = field(body, "images", list, [])
+    images = decode_base64_images(field(body, "images", list, []))
     state().scheduler.resolve(req["model"])
     if images:
         await refuse_images(req["model"])
@@ -188,6 +188,7 @@ async def generate():
         return run.runtime.generate(
             prompt, run.options, raw=raw or templated, system=None if templated else system or (None if raw else run.defaults.system),
             context=context, shift=req["shift"], logprobs=req["logprobs"], top_logprobs=req["top_logprobs"], format=req["format"],
+            **({"images": images} if images else {}),
         )  # fmt: skip
 
     def chunk_obj(chunk: Chunk) -> dict:
@@ -211,8 +212,7 @@ async def chat():
             raise ApiError(400, "each message must be an object with a role")
         if not isinstance(message.get("content", ""), str):
             raise ApiError(400, "message content must be a string")
-        if not isinstance(message.get("images") or [], list):
-            raise ApiError(400, "message images must be a list of base64-encoded images")
+    messages = [{**m, "images": decode_base64_images(m["images"], "message images")} if m.get("images") else m for m in messages]
     state().scheduler.resolve(req["model"])
     if any(message.get("images") for message in messages):
         await refuse_images(req["model"])

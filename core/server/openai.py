@@ -24,6 +24,7 @@ from corral.runner.stream import Chunk, TokenLogprob
 from corral.server import generation
 from corral.server.http import ApiError, field, read_json, sse_response
 from corral.server.ollama import insert_prompt
+from corral.server.image_urls import resolve_image_parts
 from corral.server.refusals import refuse_fields, refuse_images
 from corral.server.state import state
 from corral.store import parse_name
@@ -203,7 +204,7 @@ def _text_content(content: Any) -> str:
         if not isinstance(part, dict) or not isinstance(part.get("type"), str):
             raise ApiError(400, "each content part must be an object with a type")
         if part["type"] in IMAGE_PARTS:
-            continue  # refused for the model once it is known (chat_completions), unless it can see
+            continue  # taken by `_message` (and refused for the model once it is known, unless it can see)
         if part["type"] != "text":
             raise ApiError(
                 400, f"content parts of type {part['type']!r} are not supported: corral takes text (and images for a model that can see)"
@@ -232,6 +233,10 @@ def _message(message: Any) -> dict:
     # "developer" is OpenAI's newer name for the system role; chat templates only know "system".
     out["role"] = "system" if message["role"] == "developer" else message["role"]
     out["content"] = _text_content(message.get("content"))
+    if isinstance(message.get("content"), list):
+        parts = [part for part in message["content"] if part["type"] in IMAGE_PARTS]
+        if parts:
+            out["images"] = parts  # read into bytes by `resolve_image_parts` once the model is known to see
     if message.get("tool_calls") is not None:
         if not isinstance(message["tool_calls"], list):
             raise ApiError(400, "tool_calls must be a list")
@@ -317,6 +322,7 @@ async def chat_completions():
     state().scheduler.resolve(model)  # unknown model: 404 before anything loads
     if _has_images(body["messages"]):
         await refuse_images(model)
+        messages = [{**m, "images": await resolve_image_parts(m["images"])} if m.get("images") else m for m in messages]
     plan = await trio.to_thread.run_sync(generation.plan_tools, model, tools, choice, parallel) if tools else None
     thinking = await trio.to_thread.run_sync(generation.plan_thinking, model, think, True)
     if plan is not None and choice.forces and response_format is not None:

@@ -6,6 +6,8 @@ names it, never a reply that pretends it was used (a text-only model describing 
 
 from __future__ import annotations
 
+import base64
+import binascii
 from typing import Any
 
 import trio
@@ -15,10 +17,26 @@ from corral.server.state import model_capabilities, state
 
 
 async def refuse_images(model: str) -> None:
-    """400 unless the model can see: corral has no vision projector yet, so no model can (capability "vision")."""
+    """400 unless the model can see: a vision projector in its manifest (capability "vision")."""
     capabilities = await trio.to_thread.run_sync(model_capabilities, state().store, model)
     if "vision" not in capabilities:
         raise ApiError(400, f'"{model}" does not support images')
+
+
+def decode_base64_images(images: Any, where: str = "images") -> list[bytes]:
+    """Ollama's `images`: a list of base64 strings (a data: URL prefix is tolerated) -> their bytes; 400 otherwise."""
+    if not isinstance(images, list):
+        raise ApiError(400, f"{where} must be a list of base64-encoded images")
+    out = []
+    for index, item in enumerate(images):
+        if not isinstance(item, str):
+            raise ApiError(400, f"{where}[{index}] must be a base64-encoded image string")
+        text = item.split(",", 1)[1] if item.startswith("data:") and "," in item else item
+        try:
+            out.append(base64.b64decode(text, validate=True))
+        except (binascii.Error, ValueError):
+            raise ApiError(400, f"{where}[{index}] is not valid base64") from None
+    return out
 
 
 def refuse_fields(body: dict, unsupported: dict[str, tuple[Any, str]]) -> None:

@@ -46,12 +46,12 @@ def state() -> ServerState:
 def model_capabilities(store: Store, name: str) -> list[str]:
     """What a model can do: "embedding" alone for a model whose file names a pooling (as Ollama decides);
     otherwise "completion", "tools" when its chat template renders tools, "insert" when it renders a
-    suffix, "thinking" when it has a thinking switch or markers."""
+    suffix, "thinking" when it has a thinking switch or markers, "vision" when it has a projector layer."""
     if _file_pools(str(store.model_path(name))):
         return ["embedding"]
     template = model_template_source(store, name)
     return (["completion"] + (["tools"] if renders_tools(template) else []) + (["insert"] if renders_suffix(template) else [])
-            + (["thinking"] if can_think(template) else []))
+            + (["thinking"] if can_think(template) else []) + (["vision"] if store.projector_path(name) else []))
 
 
 def model_template_source(store: Store, name: str) -> str:

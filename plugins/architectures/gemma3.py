@@ -39,6 +39,11 @@ class Gemma3Model(DecoderModel):
     architecture = "gemma3"
     Config = Gemma3Config
     Block = Gemma2Block  # the same pre- and post-normed block; its attention binds the q/k norms Gemma 3 adds
+    bidirectional_images = True  # an image's tokens see each other (transformers' token_type_ids mask, llama.cpp's non-causal image batch)
+
+    @classmethod
+    def image_markers(cls) -> tuple[str, str]:
+        return "\n\n<start_of_image>", "<end_of_image>\n\n"  # what Gemma 3's processor writes around an image
 
     @classmethod
     def default_chat_template(cls) -> str:

@@ -48,6 +48,27 @@ class TorchContext(Graph):
     def _input(self, values: np.ndarray) -> torch.Tensor:
         return self.backend.from_numpy(np.asarray(values, dtype=np.int64))
 
+    def float_input(self, values: Any) -> Node:
+        self.replayable = False  # values of this batch alone (an image's pixels or embeddings): the graph runs once
+        return self.record(self._float_input, values)
+
+    def _float_input(self, values: Any) -> torch.Tensor:
+        if isinstance(values, torch.Tensor):
+            return values.to(device=self.backend.device, dtype=torch.float32)
+        return self.backend.from_numpy(np.asarray(values, dtype=np.float32))
+
+    def put_rows(self, x: Node, indices: Node, rows: Node) -> Node:
+        return self.record(_put_rows, x, indices, rows)
+
+    def conv2d(self, x: Node, weight: torch.Tensor, bias: torch.Tensor | None, stride: int) -> Node:
+        return self.record(lambda t, w, b: F.conv2d(t.float().unsqueeze(0), w.float(), b, stride=stride)[0], x, weight, bias)
+
+    def permute(self, x: Node, dims: Sequence[int]) -> Node:
+        return self.record(torch.permute, x, tuple(dims))
+
+    def matmul(self, x: Node, weight: torch.Tensor) -> Node:
+        return self.record(lambda t, w: torch.matmul(t.float(), w.float()), x, weight)
+
     def embedding(self, weight: Any, ids: Node) -> Node:
         if isinstance(weight, MappedRows):
             return self.record(MappedRows.rows, weight, ids)
@@ -164,6 +185,10 @@ class TorchContext(Graph):
         if approximate == "tanh":
             return self.record(_gelu_tanh, x)
         return self.record(lambda t: F.gelu(t, approximate=approximate), x)
+
+
+def _put_rows(x: torch.Tensor, indices: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    return x.index_copy(0, indices, rows.to(x.dtype))
 
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:

@@ -227,7 +227,8 @@ class GraphCache:
     def run(self, model: Any, batch: Any, view: Any, new_graph: Callable[[Any, Any], Graph]) -> torch.Tensor:
         """The model's logits for `batch`, from a reused graph when one of this shape was recorded."""
         key = (len(batch.inputs), len(batch.outputs))
-        entry = self._graphs.get(key)
+        # A batch carrying image embeddings has ops a text batch of its shape lacks: never a reused graph.
+        entry = self._graphs.get(key) if getattr(batch, "embeddings", None) is None else None
         if entry is not None and entry[0] is model:
             self._graphs.move_to_end(key)
             _, graph, out = entry

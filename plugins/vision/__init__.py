@@ -1,0 +1,1 @@
+"""Built-in vision encoders: the image side of a model, from its projector (`mmproj`) file."""
