@@ -108,11 +108,12 @@ class RankGroup:
         self.world = world
         host, port = master or ("127.0.0.1", 0)
         timeout = datetime.timedelta(seconds=START_TIMEOUT)
-        self._listener = _listener(host, port)
-        port = self._listener.getsockname()[1]
-        self.store = dist.TCPStore(
-            host, port, world, is_master=True, timeout=timeout, wait_for_workers=False, master_listen_fd=self._listener.fileno()
-        )
+        listener = _listener(host, port)
+        port = listener.getsockname()[1]
+        self.store = dist.TCPStore(host, port, world, is_master=True, timeout=timeout, wait_for_workers=False, master_listen_fd=listener.fileno())
+        # The store owns the descriptor now and closes it when it ends: Python must not close it again
+        # (that number may by then belong to another file).
+        listener.detach()
         self.processes = []
         if master is None:
             ctx = _context()
@@ -197,7 +198,6 @@ class RankGroup:
         for process in self.processes:
             process.join(max(0.0, deadline - time.monotonic()))
         self._finalizer()
-        self._listener.close()
 
 
 def _stop_processes(processes: list[Any]) -> None:
