@@ -54,15 +54,11 @@ def main() -> None:
 @main.command()
 def serve() -> None:
     """Serve the Ollama and OpenAI APIs (CORRAL_HOST, default 127.0.0.1:11434)."""
-    import trio
+    import os
 
-    from corral.logs import setup_logging
-    from corral.address import address_from_env
-    from corral.server.serve import serve_until_signalled
-
-    setup_logging()  # logfmt on stderr (CORRAL_LOG_FORMAT=json for JSON lines), DEBUG with CORRAL_DEBUG=1
-    _, host, port = address_from_env()
-    trio.run(serve_until_signalled, host, port)
+    # The server runs as a process of its own (same pid): without this CLI's modules it stays small.
+    sys.stdout.flush()
+    os.execv(sys.executable, [sys.executable, "-m", "corral.server"])
 
 
 

@@ -119,6 +119,7 @@ async def serve(args: argparse.Namespace, template: str | None, handshake: IO[st
         async with Runtime.open(
             args.model, num_parallel=args.num_parallel, num_ctx=args.num_ctx, num_batch=args.num_batch,
             precision=args.precision, device=args.device, template=template, num_thread=args.num_thread,
+            lower_context=not args.keep_context,
         ) as runtime:
             ready = True
             token = secrets.token_hex(16)
@@ -195,6 +196,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", default="auto")
     p.add_argument("--num-thread", type=int, default=0, help="CPU threads for compute (0: torch's default)")
     p.add_argument("--device", default=None)
+    p.add_argument("--keep-context", action="store_true", help="refuse to load rather than lower num_ctx to fit in memory")
     p.add_argument("--template-file", default=None, help="a Jinja chat template to use instead of the file's")
     return p
 

@@ -19,6 +19,7 @@ import trio
 from corral.kvcache import CausalCache, shift_sequence
 from corral.model import Batch
 from corral.runner import compute
+from corral.runner.interface import BatchStats
 from corral.sample import SampleResult, SamplerChain, SequenceSampler
 
 EVENT_BUFFER = 64  # tokens a sequence may run ahead of its reader before it is paused
@@ -117,16 +118,6 @@ def build_batch(plan: list[tuple[Sequence, int]]) -> tuple[Batch, list[Sequence]
             emitting.append(seq)
     as_array = functools.partial(np.asarray, dtype=np.int64)
     return Batch(as_array(inputs), as_array(positions), as_array(seqs), as_array(outputs)), emitting
-
-
-@attrs.define
-class BatchStats:
-    """Counters the server's /metrics reads."""
-
-    steps: int = 0
-    last_batch_size: int = 0
-    tokens_computed: int = 0
-    shifts: int = 0
 
 
 class BatchingActor:

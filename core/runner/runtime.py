@@ -20,7 +20,7 @@ import attrs
 import trio
 
 from corral import memory
-from corral.engine import LoadedModel, ModelInfo, load_model
+from corral.engine import LoadedModel, ModelInfo, load_model, resolve_model_path
 from corral.errors import CorralError
 from corral.grammar import Grammar, GrammarMatcher, compile_format
 from corral.kvcache import CausalCache, runtime_cells
@@ -80,9 +80,11 @@ class Runtime:
     """One loaded model served to concurrent requests."""
 
     def __init__(
-        self, model: LoadedModel, cache: CausalCache, nursery: trio.Nursery, plugins: Plugins, num_parallel: int, num_ctx: int, num_batch: int
+        self, model: LoadedModel, cache: CausalCache, nursery: trio.Nursery, plugins: Plugins, num_parallel: int, num_ctx: int, num_batch: int,
+        memory_estimate: int = 0,
     ):
         self.model = model
+        self.memory_estimate = memory_estimate
         self.num_parallel = num_parallel
         self.num_ctx = min(num_ctx, model.info.context_length)
         self.num_batch = num_batch
@@ -110,25 +112,35 @@ class Runtime:
         plugins: Plugins | None = None,
         template: str | None = None,
         num_thread: int = 0,
+        lower_context: bool = True,
     ) -> AsyncIterator[Runtime]:
         """Load `model` (a store name or a GGUF path) and serve it until the block exits.
 
         `template` replaces the file's chat template (a Jinja chat template). `num_thread` > 0 sets
         the compute threads (process-wide: a runner process has one model, an embedding app decides).
         A `LoadedModel` is served as it is, with its plugins (`precision`, `device`, `num_thread` do not apply).
+        Before loading a file, its memory estimate is checked against what is free: the context is lowered
+        to fit, or (`lower_context` false, or nothing fits) InsufficientMemoryError is raised.
         """
+        estimate = 0
         if isinstance(model, LoadedModel):
             loaded, plugins = model, plugins or model.plugins
         else:
             plugins = plugins or Plugins()
+            path = await trio.to_thread.run_sync(resolve_model_path, model)
+            plan = await compute.run(functools.partial(
+                memory.plan_load, path, num_ctx, num_parallel, num_batch, plugins,
+                device=device, precision=precision, lower_context=lower_context,
+            ))
+            num_ctx, estimate = plan.num_ctx, plan.estimate.total
             loaded = await compute.run(
-                functools.partial(load_model, model, precision=precision, device=device, plugins=plugins, num_thread=num_thread)
+                functools.partial(load_model, path, precision=precision, device=device, plugins=plugins, num_thread=num_thread)
             )
         if template:
             loaded = loaded.with_template(template)  # a model the caller passed in stays as it was
         cache = await compute.run(new_cache, loaded, min(num_ctx, loaded.info.context_length), num_parallel, num_batch)
         async with trio.open_nursery() as nursery:
-            runtime = cls(loaded, cache, nursery, plugins, num_parallel, num_ctx, num_batch)
+            runtime = cls(loaded, cache, nursery, plugins, num_parallel, num_ctx, num_batch, estimate)
             await nursery.start(runtime.batcher.run)
             if runtime.embedder is not None:
                 await nursery.start(runtime.embedder.run)
@@ -165,6 +177,7 @@ class Runtime:
             cache_used_cells=self.cache.used_cells(),
             cache_cells=sum(pool.num_cells for pool in self.cache.pools),
             memory_bytes=memory.resident_bytes(),
+            memory_estimate=self.memory_estimate,
             batch=attrs.evolve(self.batcher.stats),
             requests=attrs.evolve(self.stats),
         )
