@@ -19,6 +19,7 @@ from corral.errors import (
     UnknownArchitectureError,
     UnsupportedTensorTypeError,
 )
+from corral.memory import InsufficientMemoryError
 from corral.options import InvalidOptionError
 from corral.runner.process import RunnerError
 from corral.scheduler import InvalidKeepAliveError, ServerBusyError
@@ -43,6 +44,7 @@ class ApiError(Exception):
 _STATUS_BY_ERROR: list[tuple[type[BaseException], int]] = [
     (ModelNotFoundError, 404),
     (ServerBusyError, 503),
+    (InsufficientMemoryError, 503),  # not the request's fault: other models, or a smaller one, would fit
     (RunnerError, 500),
     (InvalidModelNameError, 400),
     (InvalidOptionError, 400),
