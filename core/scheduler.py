@@ -77,6 +77,18 @@ def parse_keep_alive(value: Any) -> float | None:
     return math.inf if seconds < 0 else seconds
 
 
+def setting(name: str, default: int) -> int:
+    """An integer setting: CORRAL_<name>, else Ollama's OLLAMA_<name>, else `default`; a clear error when not a number."""
+    for key in (f"CORRAL_{name}", f"OLLAMA_{name}"):
+        value = os.environ.get(key, "").strip()
+        if value:
+            try:
+                return int(value)
+            except ValueError:
+                raise CorralError(f"{key}={value!r} is not an integer") from None
+    return default
+
+
 def keep_alive_from_env() -> float:
     """CORRAL_KEEP_ALIVE (or OLLAMA_KEEP_ALIVE), else five minutes."""
     for key in ("CORRAL_KEEP_ALIVE", "OLLAMA_KEEP_ALIVE"):
@@ -125,12 +137,12 @@ class Scheduler:
     ):
         self.store = store or default_store()
         self.plugins = plugins or Plugins()
-        self.num_parallel = num_parallel or int(os.environ.get("CORRAL_NUM_PARALLEL", DEFAULT_NUM_PARALLEL))
+        self.num_parallel = num_parallel or max(1, setting("NUM_PARALLEL", DEFAULT_NUM_PARALLEL))
         # None: CORRAL_CONTEXT_LENGTH / OLLAMA_CONTEXT_LENGTH, else by GPU memory (discovered once per process).
         self.default_num_ctx = default_num_ctx or context_default(system_info())
         self.default_keep_alive = keep_alive_from_env()
-        self.max_queue = int(os.environ.get("CORRAL_MAX_QUEUE", DEFAULT_MAX_QUEUE))
-        self.max_loaded = max(1, int(os.environ.get("CORRAL_MAX_LOADED_MODELS", DEFAULT_MAX_LOADED_MODELS)))
+        self.max_queue = setting("MAX_QUEUE", DEFAULT_MAX_QUEUE)
+        self.max_loaded = max(1, setting("MAX_LOADED_MODELS", DEFAULT_MAX_LOADED_MODELS))
         self.runner = runner or os.environ.get("CORRAL_RUNNER", "process")
         if self.runner not in RUNNERS:
             raise CorralError(f"CORRAL_RUNNER must be one of {', '.join(RUNNERS)}, not {self.runner!r}")
