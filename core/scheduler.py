@@ -197,6 +197,18 @@ class Scheduler:
         await self._stop(entry)
         return True
 
+    async def drain(self) -> None:
+        """Return once no request is using or waiting for a model (the server is stopping)."""
+        while self._starting or any(entry.users for entry in self.loaded.values()):
+            await trio.sleep(0.05)
+
+    async def stop_all(self) -> None:
+        """Unload every model now, requests in flight or not: their streams end with the runner's error."""
+        for entry in list(self.loaded.values()):
+            entry.unload.set()
+        for entry in list(self.loaded.values()):
+            await entry.stopped.wait()
+
     async def _acquire(self, name: str, options: dict) -> Loaded:
         canonical, path = self.resolve(name)
         wanted = {key: options[key] for key in LOAD_TIME_OPTIONS if options.get(key) is not None}
