@@ -23,6 +23,7 @@ from corral.memory import InsufficientMemoryError
 from corral.options import InvalidOptionError
 from corral.runner.process import RunnerError
 from corral.scheduler import InvalidKeepAliveError, ServerBusyError
+from corral.store import StoreFullError
 from corral.template import TemplateError
 
 log = logging.getLogger(__name__)
@@ -54,6 +55,7 @@ _STATUS_BY_ERROR: list[tuple[type[BaseException], int]] = [
     (UnsupportedTensorTypeError, 500),
     (MissingTensorError, 500),
     (GGUFError, 500),
+    (StoreFullError, 507),  # Insufficient Storage: the server's disk, not the request
     (RegistryError, 502),  # the registry failed or sent something unusable: not the client's fault, nor ours
 ]
 
