@@ -5,7 +5,8 @@
                                       # sampling the server's RSS each minute to show whether it grows
 
 Each client sends /api/generate (streaming) and, in --soak mode, sends again as soon as its answer
-ends. Reports completions, 503s (server busy: CORRAL_MAX_QUEUE), other failures, p50/p99 time to
+ends. Reports completions, 503s (server busy: CORRAL_MAX_QUEUE), other failures (and a few of their
+messages), clients still unanswered when the time is up, p50/p99 time to
 first token of the completed requests, and the server's RSS (server process plus its runner
 processes, from /proc; the server's pid is found by its port) before and after. Prints JSON.
 """
@@ -86,6 +87,7 @@ async def _client(http: httpx.AsyncClient, args, results: dict, deadline: float)
                     results["busy"] += 1
                 elif reply.status_code != 200:
                     results["failed"] += 1
+                    results["errors"].append(f"{reply.status_code}: {(await reply.aread())[:200]!r}")
                 else:
                     first = None
                     async for line in reply.aiter_lines():
@@ -93,12 +95,14 @@ async def _client(http: httpx.AsyncClient, args, results: dict, deadline: float)
                             first = time.perf_counter() - start
                         if line and "error" in json.loads(line):
                             results["failed"] += 1
+                            results["errors"].append(json.loads(line)["error"][:200])
                             break
                     else:
                         results["completed"] += 1
                         results["ttft"].append(first or 0.0)
-        except httpx.HTTPError:
+        except httpx.HTTPError as error:
             results["failed"] += 1
+            results["errors"].append(repr(error)[:200])
         if not args.soak:
             return
 
@@ -106,7 +110,7 @@ async def _client(http: httpx.AsyncClient, args, results: dict, deadline: float)
 async def run(args) -> dict:
     port = httpx.URL(args.url).port or 11434
     pid = _pid_listening_on(port)
-    results = {"completed": 0, "busy": 0, "failed": 0, "ttft": []}
+    results = {"completed": 0, "busy": 0, "failed": 0, "ttft": [], "errors": []}
     before = _family_rss_mib(pid)
     samples = []
     limits = httpx.Limits(max_connections=args.clients, max_keepalive_connections=args.clients)
@@ -125,6 +129,9 @@ async def run(args) -> dict:
                         await trio.sleep(min(60, args.duration))
                         samples.append(_family_rss_mib(pid))
     ttft = sorted(results.pop("ttft"))
+    results["errors"] = sorted(set(results["errors"]))[:5]
+    if not args.soak:  # clients with no answer when the time was up
+        results["unfinished"] = args.clients - results["completed"] - results["busy"] - results["failed"]
     quantile = (lambda q: round(ttft[min(len(ttft) - 1, int(q * len(ttft)))], 3)) if ttft else (lambda q: None)
     return {
         "clients": args.clients, "seconds": round(time.perf_counter() - started, 1), **results,
