@@ -83,3 +83,12 @@ async def test_a_model_too_big_for_the_machine_is_a_clear_error_over_http(long_c
         assert reply.status_code == 503
         assert "only 0 MiB is available" in reply.json()["error"] and "/" not in reply.json()["error"].split("needs")[0][:-1]
         assert (await http.get("/api/ps")).json()["models"] == []
+
+
+def test_on_cpu_the_system_memory_is_what_is_available(monkeypatch):
+    from corral.registry import Plugins
+
+    monkeypatch.delenv("CORRAL_MEMORY_LIMIT", raising=False)
+    backend = Plugins().open_backend(device="cpu")
+    assert backend.available_bytes() is None  # a GPU backend reports its free VRAM instead
+    assert abs(memory.available_bytes(backend) - memory._mem_available()) < 64 * MIB  # MemAvailable, read twice
