@@ -18,15 +18,17 @@ import functools
 import logging
 import threading
 import weakref
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import attrs
 import llguidance
 import llguidance.numpy
-import torch
 
 from corral.errors import CorralError
 from corral.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -155,6 +157,8 @@ def _executor() -> llguidance.LLExecutor:
 
 def mask_logits(logits: torch.Tensor, matchers: Sequence[GrammarMatcher]) -> torch.Tensor:
     """`logits` [b, V] with every token that row b's matcher does not allow set to -inf, in place."""
+    import torch  # here, not at the top: the server compiles formats with this module and never imports torch
+
     vocab = matchers[0].vocab_size  # one model per runtime, so one tokenizer for every row
     bitmask = llguidance.numpy.allocate_token_bitmask(len(matchers), vocab)
     llguidance.numpy.fill_next_token_bitmask_par(_executor(), [(m.matcher, row) for row, m in enumerate(matchers)], bitmask)

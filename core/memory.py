@@ -1,25 +1,46 @@
-"""Predict what loading a model will cost in memory, before loading it.
+"""Predict what loading a model will cost in memory, before loading it, and fit the context to it.
 
 weights (each tensor as the backend will hold it, for the role the architecture binds it to) + KV
 cache (the cells the runtime will allocate for each layer, from the architecture's cache layout) +
-compute buffers (one num_batch step's activations and the logits rows). The scheduler evicts idle
-models when the prediction does not fit. No architecture or backend is known here by name: both
-are asked, through the plugins.
+compute buffers (one num_batch step's activations and the logits rows). No architecture or backend
+is known here by name: both are asked, through the plugins.
+
+`plan_load` runs where the model is loaded (the runner process, or an in-process runtime): it compares
+the prediction with what the device has free and lowers the context until the model fits (the
+effective context: trained ∩ requested ∩ fits, logged), or refuses with InsufficientMemoryError when
+even MIN_NUM_CTX does not fit, so a model too big is a clear error rather than a runner the kernel
+kills. The server never calls it: the backend (torch) lives in the runner.
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import sys
-from typing import Any
+from typing import Any, Callable
 
 import attrs
 
+from corral.errors import CorralError
 from corral.gguf import GGUFFile
 from corral.kvcache import CausalCache, runtime_cells
 from corral.model import config_from_gguf
 from corral.registry import Plugins
+
+log = logging.getLogger(__name__)
+
+MIN_NUM_CTX = 512  # below this a chat model is of little use: refuse rather than run it smaller
+MEMORY_ENV = "CORRAL_MEMORY_LIMIT"  # bytes (or "512MiB", "2GB"): treat only this much as available
+
+
+class InsufficientMemoryError(CorralError):
+    """The model does not fit in the memory available, even with the smallest context."""
+
+
+# The tokenizer's vocabulary, merges and lookup tables as Python objects: measured ~710 bytes per token for
+# both smollm2 (49,152 tokens: 33 MB) and gemma3 (262,144 tokens: 178 MB).
+TOKENIZER_BYTES_PER_TOKEN = 710
 
 
 @attrs.frozen
@@ -27,10 +48,50 @@ class MemoryEstimate:
     weights: int
     kv_cache: int
     compute: int
+    tokenizer: int = 0
 
     @property
     def total(self) -> int:
-        return self.weights + self.kv_cache + self.compute
+        return self.weights + self.kv_cache + self.compute + self.tokenizer
+
+
+@attrs.frozen
+class LoadPlan:
+    """The context a model will load with, what that is predicted to cost, and what was available."""
+
+    num_ctx: int
+    estimate: MemoryEstimate
+    available: int | None
+
+
+class Estimator:
+    """The memory prediction of one file on one backend, for any context (the file is read once)."""
+
+    def __init__(self, path: str | os.PathLike, num_parallel: int, num_batch: int = 512, plugins: Plugins | None = None,
+                 backend: Any = None, projector: str | os.PathLike | None = None):
+        plugins = plugins or Plugins()
+        gguf = GGUFFile.open(path)
+        model_class = plugins.architecture_for(gguf)
+        self.backend = backend or plugins.open_backend()
+        config = config_from_gguf(model_class.Config, gguf, gguf.architecture)
+        self.trained = int(config.context_length)
+        # As the runtime does: a batch never exceeds the context, so a huge num_batch predicts no huge buffer.
+        num_batch = max(1, min(num_batch, self.trained))
+        self.num_parallel, self.num_batch = num_parallel, num_batch
+        self._layers = model_class.cache_layout(config)
+        # A vision projector's weights count as its file's size: its tensors are float32 and float16, held dense.
+        self._weights = int(self.backend.resident_bytes(model_class.tensor_plan(gguf))) + (os.path.getsize(projector) if projector else 0)
+        self._compute = _compute(gguf, gguf.architecture, num_batch, num_parallel)
+        self._heads = int(gguf.get(f"{gguf.architecture}.attention.head_count", 0) or 0)
+        self._tokenizer = len(gguf.get("tokenizer.ggml.tokens", ())) * TOKENIZER_BYTES_PER_TOKEN
+
+    def __call__(self, num_ctx: int) -> MemoryEstimate:
+        """The prediction with `num_ctx` cells per sequence (clamped to the trained context, as the runtime does)."""
+        num_ctx = min(num_ctx, self.trained)
+        kv = _kv_cache(self.backend, self._layers, num_ctx, self.num_parallel, self.num_batch)
+        # one prompt chunk's attention scores over the whole context, float32, one layer at a time
+        scores = min(self.num_batch, num_ctx) * num_ctx * self._heads * 4
+        return MemoryEstimate(weights=self._weights, kv_cache=kv, compute=self._compute + scores, tokenizer=self._tokenizer)
 
 
 def estimate(
@@ -39,24 +100,65 @@ def estimate(
 ) -> MemoryEstimate:
     """Bytes the model at `path` (and its vision `projector`) will need with this context, parallelism and batch size.
 
-    A projector's weights count as its file's size: its tensors are float32 and float16, held dense.
-
     Raises UnknownArchitectureError when no installed plugin runs the file, and what binding raises
     (missing metadata or tensors) when the file does not match its architecture.
     """
+    return Estimator(path, num_parallel, num_batch, plugins, projector=projector)(num_ctx)
+
+
+def plan_load(
+    path: str | os.PathLike, num_ctx: int, num_parallel: int, num_batch: int = 512, plugins: Plugins | None = None,
+    device: str | None = None, precision: str = "auto", available: int | None = None, lower_context: bool = True,
+    projector: str | os.PathLike | None = None,
+) -> LoadPlan:
+    """The context to load `path` with so that the prediction fits in `available` (default: what is free now).
+
+    With `lower_context` false a model that does not fit at `num_ctx` is refused rather than shrunk (the
+    scheduler first tries that way, to unload idle models before it takes context from a new one).
+    """
     plugins = plugins or Plugins()
-    gguf = GGUFFile.open(path)
-    model_class = plugins.architecture_for(gguf)
-    backend = plugins.open_backend()
-    config = config_from_gguf(model_class.Config, gguf, gguf.architecture)
-    num_ctx = min(num_ctx, int(config.context_length))  # the runtime clamps it too
-    num_batch = max(1, min(num_batch, num_ctx))  # and the batch to the context
-    weights = backend.resident_bytes(model_class.tensor_plan(gguf)) + (os.path.getsize(projector) if projector else 0)
-    return MemoryEstimate(
-        weights=int(weights),
-        kv_cache=_kv_cache(backend, model_class.cache_layout(config), num_ctx, num_parallel, num_batch),
-        compute=_compute(gguf, gguf.architecture, num_batch, num_parallel),
+    estimator = Estimator(path, num_parallel, num_batch, plugins, plugins.open_backend(device=device, precision=precision), projector)
+    if available is None:
+        available = available_bytes(estimator.backend)
+    num_ctx = min(num_ctx, estimator.trained)
+    name = os.path.basename(os.fspath(path))
+    fitted = fit_context(estimator, num_ctx, available, name=name, floor=None if lower_context else num_ctx)
+    return LoadPlan(fitted, estimator(fitted), available)
+
+
+def fit_context(
+    estimate_at: Callable[[int], MemoryEstimate], num_ctx: int, available: int | None, *, name: str = "", floor: int | None = None
+) -> int:
+    """The largest context from `floor` (default min(MIN_NUM_CTX, num_ctx)) up to `num_ctx` whose estimate fits
+    in `available` bytes (any when that is unknown).
+
+    The KV cache grows with the context and nothing else does, so the fit is a bisection. Raises
+    InsufficientMemoryError when even `floor` does not fit.
+    """
+    wanted = estimate_at(num_ctx)
+    if available is None or wanted.total <= available:
+        return num_ctx
+    floor = min(MIN_NUM_CTX, num_ctx) if floor is None else floor
+    smallest = estimate_at(floor)
+    if smallest.total > available:
+        raise InsufficientMemoryError(
+            f"{name or 'the model'} needs {_mib(smallest.total)} of memory (weights {_mib(smallest.weights)}, "
+            f"KV cache {_mib(smallest.kv_cache)} at num_ctx {floor}) but only {_mib(available)} is available; "
+            "unload other models, lower num_parallel (CORRAL_NUM_PARALLEL), or use a smaller quantization"
+        )
+    low, high = floor, num_ctx  # low fits, high does not
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if estimate_at(middle).total <= available else (low, middle)
+    log.warning(
+        "%snum_ctx %d needs %s but %s is available; lowering the context to %d",
+        f"{name}: " if name else "", num_ctx, _mib(wanted.total), _mib(available), low,
     )
+    return low
+
+
+def _mib(count: int) -> str:
+    return f"{count / (1 << 20):.0f} MiB"
 
 
 def _kv_cache(backend: Any, layers: list, num_ctx: int, num_parallel: int, num_batch: int) -> int:
@@ -90,16 +192,34 @@ def resident_bytes() -> int:
     return resident
 
 
-def available_bytes() -> int | None:
-    """Memory the next model may use: free GPU memory under CUDA, else the system's MemAvailable."""
-    try:
-        import torch
+def available_bytes(backend: Any = None) -> int | None:
+    """Memory the next model may use: what the backend's device has free (a GPU's), else the system's MemAvailable.
 
-        if torch.cuda.is_available():
-            free, _ = torch.cuda.mem_get_info()
-            return int(free)
-    except Exception:  # noqa: BLE001 - no usable GPU: fall back to system memory
-        pass
+    CORRAL_MEMORY_LIMIT caps it (a container's share, or a test's simulated small machine).
+    """
+    free = getattr(backend, "available_bytes", lambda: None)()
+    if free is None:
+        free = _mem_available()
+    limit = memory_limit()
+    if limit is not None:
+        free = limit if free is None else min(free, limit)
+    return free
+
+
+def memory_limit(environ: dict | None = None) -> int | None:
+    """CORRAL_MEMORY_LIMIT in bytes ("2GiB", "512MB", "1000000"); None when unset."""
+    value = (os.environ if environ is None else environ).get(MEMORY_ENV, "").strip()
+    if not value:
+        return None
+    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
+    number = value.rstrip("bBkKmMgGiI")
+    try:
+        return int(float(number) * units[value[len(number):].strip().lower()])
+    except (ValueError, KeyError):
+        raise CorralError(f"{MEMORY_ENV}={value!r} is not a size; use bytes or a size like 2GiB") from None
+
+
+def _mem_available() -> int | None:
     try:
         with open("/proc/meminfo") as f:
             for line in f:

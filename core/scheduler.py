@@ -29,7 +29,6 @@ from corral.parallel.shards import check_split
 from corral.registry import Plugins
 from corral.runner.interface import Runner
 from corral.runner.process import RunnerProcess
-from corral.runner.runtime import Runtime
 from corral.store import Store, default_store, parse_name
 from corral.template import TemplateError, compile_template
 
@@ -79,6 +78,18 @@ def parse_keep_alive(value: Any) -> float | None:
     if math.isnan(seconds):  # float("nan") parses
         raise InvalidKeepAliveError(f"keep_alive must be a duration like \"5m\" or a number of seconds, not {value!r}")
     return math.inf if seconds < 0 else seconds
+
+
+def setting(name: str, default: int) -> int:
+    """An integer setting: CORRAL_<name>, else Ollama's OLLAMA_<name>, else `default`; a clear error when not a number."""
+    for key in (f"CORRAL_{name}", f"OLLAMA_{name}"):
+        value = os.environ.get(key, "").strip()
+        if value:
+            try:
+                return int(value)
+            except ValueError:
+                raise CorralError(f"{key}={value!r} is not an integer") from None
+    return default
 
 
 def keep_alive_from_env() -> float:
@@ -141,12 +152,12 @@ class Scheduler:
     ):
         self.store = store or default_store()
         self.plugins = plugins or Plugins()
-        self.num_parallel = num_parallel or int(os.environ.get("CORRAL_NUM_PARALLEL", DEFAULT_NUM_PARALLEL))
+        self.num_parallel = num_parallel or max(1, setting("NUM_PARALLEL", DEFAULT_NUM_PARALLEL))
         # None: CORRAL_CONTEXT_LENGTH / OLLAMA_CONTEXT_LENGTH, else by GPU memory (discovered once per process).
         self.default_num_ctx = default_num_ctx or context_default(system_info())
         self.default_keep_alive = keep_alive_from_env()
-        self.max_queue = int(os.environ.get("CORRAL_MAX_QUEUE", DEFAULT_MAX_QUEUE))
-        self.max_loaded = max(1, int(os.environ.get("CORRAL_MAX_LOADED_MODELS", DEFAULT_MAX_LOADED_MODELS)))
+        self.max_queue = setting("MAX_QUEUE", DEFAULT_MAX_QUEUE)
+        self.max_loaded = max(1, setting("MAX_LOADED_MODELS", DEFAULT_MAX_LOADED_MODELS))
         self.runner = runner or os.environ.get("CORRAL_RUNNER", "process")
         # Ranks (stages) each model is split over unless a request's `tensor_parallel` (`pipeline_parallel`) option says otherwise.
         self.tensor_parallel = tensor_parallel or _positive_env("CORRAL_TENSOR_PARALLEL", 1)
@@ -206,6 +217,18 @@ class Scheduler:
         await self._stop(entry)
         return True
 
+    async def drain(self) -> None:
+        """Return once no request is using or waiting for a model (the server is stopping)."""
+        while self._starting or any(entry.users for entry in self.loaded.values()):
+            await trio.sleep(0.05)
+
+    async def stop_all(self) -> None:
+        """Unload every model now, requests in flight or not: their streams end with the runner's error."""
+        for entry in list(self.loaded.values()):
+            entry.unload.set()
+        for entry in list(self.loaded.values()):
+            await entry.stopped.wait()
+
     async def _acquire(self, name: str, options: dict) -> Loaded:
         canonical, path = self.resolve(name)
         wanted = {key: options[key] for key in LOAD_TIME_OPTIONS if options.get(key) is not None}
@@ -219,57 +242,64 @@ class Scheduler:
                 await self._stop(entry)  # a load-time option changed: reload
                 entry = None
             if entry is None:
-                num_ctx = wanted.get("num_ctx") or self.default_num_ctx
-                projector = await trio.to_thread.run_sync(self.store.projector_path, canonical)
-                need = await trio.to_thread.run_sync(
-                    memory.estimate, path, num_ctx, self.num_parallel, wanted.get("num_batch") or 512, self.plugins, projector
-                )
-                await self._make_room(need.total)
-                entry = await self._load(canonical, path, wanted)
-                entry.size = need.total
+                await self._make_room()
+                entry = await self._load_fitting(canonical, path, wanted)
             entry.users += 1
             if entry.expiry is not None:
                 entry.expiry.cancel()
             entry.expires_at = None
         return entry
 
-    async def _make_room(self, need: int) -> None:
-        """Unload idle models (expiring soonest first) until the new one fits in count and in memory."""
-        while self.loaded:
-            available = memory.available_bytes()
-            too_many = len(self.loaded) >= self.max_loaded
-            too_big = available is not None and need > available
-            if not (too_many or too_big):
-                return
-            idle = [entry for entry in self.loaded.values() if entry.users == 0]
-            if idle:
-                victim = min(idle, key=lambda entry: entry.expires_at if entry.expires_at is not None else math.inf)
+    async def _make_room(self) -> None:
+        """Unload idle models (expiring soonest first) until one more may load (CORRAL_MAX_LOADED_MODELS)."""
+        while len(self.loaded) >= self.max_loaded:
+            victim = self._next_victim()
+            if victim is not None:
                 log.info("unloading %s to make room", victim.name)
                 await self._stop(victim)
-            elif too_many:
+            else:
                 self._idle = trio.Event()
                 await self._idle.wait()  # every loaded model is busy: wait for one to go idle
-            else:
-                log.warning("the model needs ~%d MB but only ~%d MB are free; loading anyway", need >> 20, available >> 20)
-                return
 
-    async def _load(self, name: str, path: Any, load_options: dict) -> Loaded:
+    async def _load_fitting(self, name: str, path: Any, wanted: dict) -> Loaded:
+        """Load the model; while it does not fit in memory and idle models are loaded, unload those first.
+
+        The runner checks the fit (its backend knows the device): with idle models still loaded it is
+        asked to refuse rather than lower the context, so their memory is taken before the new model's context.
+        """
+        while True:
+            victim = self._next_victim()
+            try:
+                return await self._load(name, path, wanted, lower_context=victim is None)
+            except memory.InsufficientMemoryError:
+                if victim is None:
+                    raise
+            log.info("unloading %s: %s does not fit in memory beside it", victim.name, name)
+            await self._stop(victim)
+
+    def _next_victim(self) -> Loaded | None:
+        """The idle model that expires soonest, if any."""
+        idle = [entry for entry in self.loaded.values() if entry.users == 0]
+        return min(idle, key=lambda entry: entry.expires_at if entry.expires_at is not None else math.inf, default=None)
+
+    async def _load(self, name: str, path: Any, load_options: dict, lower_context: bool = True) -> Loaded:
         entry = Loaded(name, path, load_options)
         start = time.perf_counter()
-        await self._nursery.start(self._hold, entry)
+        await self._nursery.start(self._hold, entry, lower_context)
         entry.load_seconds = time.perf_counter() - start
+        entry.size = entry.runtime.status().memory_estimate
         self.loaded[name] = entry
         log.info("loaded %s in %.2fs", name, entry.load_seconds)
         return entry
 
-    async def _hold(self, entry: Loaded, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async def _hold(self, entry: Loaded, lower_context: bool, task_status=trio.TASK_STATUS_IGNORED) -> None:
         try:
             num_ctx = entry.load_options.get("num_ctx") or self.default_num_ctx
             num_batch = entry.load_options.get("num_batch") or 512
             template = await trio.to_thread.run_sync(self._template, entry.name)
             await trio.to_thread.run_sync(check_split, entry.path, *self._splits(entry.load_options).values())  # a clear 400 before any runner starts
             projector = await trio.to_thread.run_sync(self.store.projector_path, entry.name)
-            async with self._open_runtime(entry.path, entry.load_options, num_ctx, num_batch, template, projector) as runtime:
+            async with self._open_runtime(entry.path, entry.load_options, num_ctx, num_batch, template, lower_context, projector) as runtime:
                 # The runner clamps to the trained context, known only now; this says so when a request asked for more.
                 effective_num_ctx(
                     entry.load_options.get("num_ctx"), runtime.info.context_length, None, self.default_num_ctx,
@@ -289,16 +319,19 @@ class Scheduler:
                 del self.loaded[entry.name]
 
     def _open_runtime(
-        self, path: Any, load_options: dict, num_ctx: int, num_batch: int, template: str | None, projector: Any = None
+        self, path: Any, load_options: dict, num_ctx: int, num_batch: int, template: str | None, lower_context: bool,
+        projector: Any = None,
     ) -> contextlib.AbstractAsyncContextManager[Runner]:
         """The model's runner: a child process by default (a native crash cannot take the server down), or in-process.
 
         `projector`: the model's vision projector file, loaded beside it."""
-        sizes = dict(num_parallel=self.num_parallel, num_ctx=num_ctx, num_batch=num_batch)
+        sizes = dict(num_parallel=self.num_parallel, num_ctx=num_ctx, num_batch=num_batch, lower_context=lower_context)
         num_thread = load_options.get("num_thread") or 0
         splits = self._splits(load_options)
         projector = str(projector) if projector else None
         if self.runner == "inprocess":
+            from corral.runner.runtime import Runtime  # torch: only a server that computes in-process imports it
+
             return Runtime.open(str(path), **sizes, plugins=self.plugins, template=template, num_thread=num_thread, projector=projector, **splits)
         return RunnerProcess.open(path, **sizes, template=template, num_thread=num_thread, projector=projector, **splits)
 

@@ -17,7 +17,9 @@ reachable; any other name, or one that names a registry host, comes from that Ol
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import errno
 import hashlib
 import importlib.resources
 import json
@@ -78,6 +80,24 @@ Progress = Callable[[dict], None]
 
 class DigestMismatchError(CorralError):
     """Bytes written to the store do not hash to the digest they were announced with."""
+
+
+class StoreFullError(CorralError):
+    """The disk holding the model store ran out of space while a blob was written (nothing was kept)."""
+
+
+@contextlib.contextmanager
+def _reporting_full_disk(store: Store, written: int) -> Iterator[None]:
+    # A full disk is the user's to fix: one clear error, without the OSError's path of a temporary file.
+    try:
+        yield
+    except OSError as error:
+        if error.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        raise StoreFullError(
+            f"the disk holding the model store is full ({written >> 20} MiB of the model written, then discarded); "
+            "free some space or set CORRAL_MODELS to a store on a larger disk"
+        ) from None
 
 
 class BlobNotFoundError(CorralError):
@@ -288,11 +308,13 @@ class BlobWriter:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        self._file.close()
+        with contextlib.suppress(OSError):  # a full disk fails the close's flush too: the file goes anyway
+            self._file.close()
         Path(self._file.name).unlink(missing_ok=True)
 
     def write(self, chunk: bytes) -> None:
-        self._file.write(chunk)
+        with _reporting_full_disk(self._store, self.size):
+            self._file.write(chunk)
         self._hash.update(chunk)
         self.size += len(chunk)
 
@@ -311,9 +333,10 @@ class BlobWriter:
         digest = self.digest
         if expected is not None and digest != expected:
             raise DigestMismatchError(f"content has digest {digest}, expected {expected}")
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        self._file.close()
+        with _reporting_full_disk(self._store, self.size):
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._file.close()
         os.chmod(self._file.name, _FILE_MODE)
         os.replace(self._file.name, self._store.blob_path(digest))
         return digest

@@ -63,22 +63,13 @@ def main() -> None:
 )
 def serve(tensor_parallel: int | None, pipeline_parallel: int | None) -> None:
     """Serve the Ollama and OpenAI APIs (CORRAL_HOST, default 127.0.0.1:11434)."""
-    import trio
-
-    # The scheduler's defaults, as if the user had set them.
+    # The scheduler's defaults, as if the user had set them (the server process inherits the environment).
     for key, value in (("CORRAL_TENSOR_PARALLEL", tensor_parallel), ("CORRAL_PIPELINE_PARALLEL", pipeline_parallel)):
         if value is not None:
             os.environ[key] = str(value)
-
-    from corral.logs import setup_logging
-    from corral.address import address_from_env
-    from corral.server.serve import serve_until_signalled
-
-    setup_logging()  # logfmt on stderr (CORRAL_LOG_FORMAT=json for JSON lines), DEBUG with CORRAL_DEBUG=1
-    _, host, port = address_from_env()
-    trio.run(serve_until_signalled, host, port)
-
-
+    # The server runs as a process of its own (same pid): without this CLI's modules it stays small.
+    sys.stdout.flush()
+    os.execv(sys.executable, [sys.executable, "-m", "corral.server"])
 
 
 # ---- pull, push -------------------------------------------------------------------------------

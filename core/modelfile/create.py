@@ -19,7 +19,6 @@ from typing import Any
 
 import attrs
 
-from corral.convert import ConvertError, check_folder, convert_folder
 from corral.errors import CorralError, GGUFError, MissingTensorError, ModelNotFoundError, UnknownArchitectureError, UnsupportedTensorTypeError
 from corral.gguf import GGUFFile
 from corral.model import check_binds
@@ -145,6 +144,8 @@ def check_spec(store: Store, spec: ModelSpec) -> tuple[Layer, ...]:
         _check_gguf(store.blob_path(digest), f"the uploaded file {digest}")
         _check_quantize(store.blob_path(digest), spec.quantize)
     elif spec.hf_folder is not None:
+        from corral.convert import ConvertError, check_folder  # torch: only a server that converts imports it
+
         try:
             check_folder(spec.hf_folder)
         except ConvertError as error:
@@ -302,6 +303,8 @@ def _quantize_base(store: Store, spec: ModelSpec, layers: list[tuple[str, str]],
 
 def _converted(folder: Path, scratch: Path) -> Path:
     """A safetensors folder converted to a GGUF file in `scratch` (so a failure leaves the store as it was)."""
+    from corral.convert import ConvertError, convert_folder  # torch: only a server that converts imports it
+
     try:
         return convert_folder(folder, scratch / "model.gguf")
     except ConvertError as error:

@@ -19,6 +19,7 @@ import trio
 from corral.kvcache import CausalCache, shift_sequence
 from corral.model import Batch
 from corral.runner import compute
+from corral.runner.interface import BatchStats
 from corral.sample import SampleResult, SamplerChain, SequenceSampler
 from corral.vision import IMAGE_FILLER, ImageRun, image_batch_fields
 
@@ -143,16 +144,6 @@ def batch_images(images: list[tuple[ImageRun, int, bool]], rows: int) -> dict:
         if not bidirectional:
             fields["blocks"][first : first + run.length] = -1
     return fields
-
-
-@attrs.define
-class BatchStats:
-    """Counters the server's /metrics reads."""
-
-    steps: int = 0
-    last_batch_size: int = 0
-    tokens_computed: int = 0
-    shifts: int = 0
 
 
 class BatchingActor:

@@ -16,7 +16,6 @@ import trio
 
 from corral.engine import ModelInfo
 from corral.errors import CorralError
-from corral.runner.batching import BatchStats
 from corral.runner.stream import Chunk
 
 
@@ -44,6 +43,16 @@ class Embeddings:
 
 
 @attrs.define
+class BatchStats:
+    """Counters the server's /metrics reads (the batching actor keeps them; here so the server reads them without torch)."""
+
+    steps: int = 0
+    last_batch_size: int = 0
+    tokens_computed: int = 0
+    shifts: int = 0
+
+
+@attrs.define
 class RuntimeStats:
     """Requests started and their prompt tokens, including those served from the prefix cache."""
 
@@ -66,6 +75,7 @@ class RunnerStatus:
     cache_used_cells: int = 0  # KV cache cells holding a token
     cache_cells: int = 0  # KV cache cells allocated, over all pools
     memory_bytes: int = 0  # resident memory plus CUDA allocations of the process that holds the model
+    memory_estimate: int = 0  # the load's prediction (weights + KV cache + compute), the scheduler's size of the model
     batch: BatchStats = attrs.field(factory=BatchStats)  # copies, not the live counters
     requests: RuntimeStats = attrs.field(factory=RuntimeStats)
 

@@ -29,6 +29,7 @@ from typing import Any, AsyncIterator, Sequence
 import trio
 
 from corral.engine import ModelInfo
+from corral.memory import InsufficientMemoryError
 from corral.runner.interface import Embeddings, RunnerStatus, Stream
 from corral.runner.stream import Chunk
 from corral.runner.wire import JsonLines, RunnerError, chunk_from_json, error_from_json, images_to_json  # noqa: F401 (RunnerError is re-exported)
@@ -160,6 +161,7 @@ class RunnerProcess:
         env: dict[str, str] | None = None,
         load_timeout: float | None = None,
         health_interval: float = HEALTH_INTERVAL,
+        lower_context: bool = True,
     ) -> AsyncIterator[RunnerProcess]:
         """Start a runner for the GGUF at `path`, wait until it has loaded, and stop it when the block exits.
 
@@ -174,7 +176,9 @@ class RunnerProcess:
             "--num-parallel", str(num_parallel), "--num-ctx", str(num_ctx), "--num-batch", str(num_batch),
             "--precision", precision, "--num-thread", str(num_thread), "--tensor-parallel", str(tensor_parallel),
             "--pipeline-parallel", str(pipeline_parallel),
-        ] + (["--device", device] if device else []) + (["--projector", os.fspath(projector)] if projector else [])
+        ] + (["--device", device] if device else []) + (["--projector", os.fspath(projector)] if projector else []) + (
+            [] if lower_context else ["--keep-context"]
+        )
         template_file = _write_template(template) if template is not None else None
         if template_file:
             command += ["--template-file", template_file]
@@ -368,6 +372,8 @@ class RunnerProcess:
             await self.exited.wait()
         with trio.move_on_after(1):
             await self._log_done.wait()
+        if isinstance(ready, dict) and ready.get("error", {}).get("type") == InsufficientMemoryError.__name__:
+            raise InsufficientMemoryError(ready["error"].get("message", ""))  # the scheduler may unload others and retry
         if isinstance(ready, dict) and "error" in ready:
             reason = ready["error"].get("message") or ready["error"].get("type")
         else:

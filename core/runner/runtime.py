@@ -20,7 +20,7 @@ import attrs
 import trio
 
 from corral import memory
-from corral.engine import LoadedModel, ModelInfo, load_model
+from corral.engine import LoadedModel, ModelInfo, load_model, resolve_model_path
 from corral.errors import CorralError
 from corral.grammar import Grammar, GrammarMatcher, compile_format
 from corral.kvcache import CausalCache, runtime_cells
@@ -81,9 +81,11 @@ class Runtime:
     """One loaded model served to concurrent requests."""
 
     def __init__(
-        self, model: LoadedModel, cache: CausalCache, nursery: trio.Nursery, plugins: Plugins, num_parallel: int, num_ctx: int, num_batch: int
+        self, model: LoadedModel, cache: CausalCache, nursery: trio.Nursery, plugins: Plugins, num_parallel: int, num_ctx: int, num_batch: int,
+        memory_estimate: int = 0,
     ):
         self.model = model
+        self.memory_estimate = memory_estimate
         self.num_parallel = num_parallel
         self.num_ctx = min(num_ctx, model.info.context_length)
         self.num_batch = num_batch
@@ -116,6 +118,7 @@ class Runtime:
         tensor_parallel: int = 1,
         pipeline_parallel: int = 1,
         projector: str | None = None,
+        lower_context: bool = True,
     ) -> AsyncIterator[Runtime]:
         """Load `model` (a store name or a GGUF path) and serve it until the block exits.
 
@@ -126,23 +129,32 @@ class Runtime:
         and a rank that dies ends the runtime with RankFailedError. A `LoadedModel` is served as it
         is, with its plugins (`precision`, `device`, `num_thread` and the splits do not apply).
         `projector`: a vision projector (mmproj) file loaded beside the model, so requests may carry images.
+        Before loading a file, its memory estimate is checked against what is free: the context is lowered
+        to fit, or (`lower_context` false, or nothing fits) InsufficientMemoryError is raised.
         """
         for key, value in (("tensor_parallel", tensor_parallel), ("pipeline_parallel", pipeline_parallel)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidOptionError(f"{key} must be a positive integer, got {value!r}")
         owned = None
+        estimate = 0
         if isinstance(model, LoadedModel):
             loaded, plugins = model, plugins or model.plugins
         else:
             plugins = plugins or Plugins()
+            path = await trio.to_thread.run_sync(resolve_model_path, model)
+            plan = await compute.run(functools.partial(
+                memory.plan_load, path, num_ctx, num_parallel, num_batch, plugins,
+                device=device, precision=precision, lower_context=lower_context, projector=projector,
+            ))
+            num_ctx, estimate = plan.num_ctx, plan.estimate.total
             owned = loaded = await compute.run(
                 functools.partial(
-                    load_model, model, precision=precision, device=device, plugins=plugins, num_thread=num_thread,
+                    load_model, path, precision=precision, device=device, plugins=plugins, num_thread=num_thread,
                     tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel, projector=projector,
                 )
             )
         try:
-            async with cls._serve(loaded, plugins, template, num_parallel, num_ctx, num_batch) as runtime:
+            async with cls._serve(loaded, plugins, template, num_parallel, num_ctx, num_batch, estimate) as runtime:
                 yield runtime
         finally:
             if owned is not None:
@@ -151,7 +163,8 @@ class Runtime:
     @classmethod
     @contextlib.asynccontextmanager
     async def _serve(
-        cls, loaded: LoadedModel, plugins: Plugins, template: str | None, num_parallel: int, num_ctx: int, num_batch: int
+        cls, loaded: LoadedModel, plugins: Plugins, template: str | None, num_parallel: int, num_ctx: int, num_batch: int,
+        estimate: int,
     ) -> AsyncIterator[Runtime]:
         if template:
             loaded = loaded.with_template(template)  # a model the caller passed in stays as it was
@@ -163,7 +176,7 @@ class Runtime:
             num_batch = max(num_batch, loaded.vision.tokens_per_image)
         cache = await compute.run(new_cache, loaded, min(num_ctx, loaded.info.context_length), num_parallel, num_batch)
         async with trio.open_nursery() as nursery:
-            runtime = cls(loaded, cache, nursery, plugins, num_parallel, num_ctx, num_batch)
+            runtime = cls(loaded, cache, nursery, plugins, num_parallel, num_ctx, num_batch, estimate)
             await nursery.start(runtime.batcher.run)
             if runtime.embedder is not None:
                 await nursery.start(runtime.embedder.run)
@@ -200,6 +213,7 @@ class Runtime:
             cache_used_cells=self.cache.used_cells(),
             cache_cells=sum(pool.num_cells for pool in self.cache.pools),
             memory_bytes=memory.resident_bytes(),
+            memory_estimate=self.memory_estimate,
             batch=attrs.evolve(self.batcher.stats),
             requests=attrs.evolve(self.stats),
         )

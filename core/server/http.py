@@ -20,9 +20,11 @@ from corral.errors import (
     UnknownArchitectureError,
     UnsupportedTensorTypeError,
 )
+from corral.memory import InsufficientMemoryError
 from corral.options import InvalidOptionError
 from corral.runner.process import RunnerError
 from corral.scheduler import InvalidKeepAliveError, ServerBusyError
+from corral.store import StoreFullError
 from corral.template import TemplateError
 
 log = logging.getLogger(__name__)
@@ -44,6 +46,7 @@ class ApiError(Exception):
 _STATUS_BY_ERROR: list[tuple[type[BaseException], int]] = [
     (ModelNotFoundError, 404),
     (ServerBusyError, 503),
+    (InsufficientMemoryError, 503),  # not the request's fault: other models, or a smaller one, would fit
     (RunnerError, 500),
     (InvalidModelNameError, 400),
     (InvalidOptionError, 400),
@@ -53,6 +56,7 @@ _STATUS_BY_ERROR: list[tuple[type[BaseException], int]] = [
     (UnsupportedTensorTypeError, 500),
     (MissingTensorError, 500),
     (GGUFError, 500),
+    (StoreFullError, 507),  # Insufficient Storage: the server's disk, not the request
     (RegistryError, 502),  # the registry failed or sent something unusable: not the client's fault, nor ours
 ]
 

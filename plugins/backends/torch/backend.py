@@ -156,6 +156,13 @@ class TorchBackend:
                 total += predicted_bytes(layout, info)
         return total
 
+    def available_bytes(self) -> int | None:
+        """Free memory on this backend's GPU, what a load there may use; None on CPU (the system's memory decides)."""
+        if self.device.type != "cuda":
+            return None
+        free, _ = torch.cuda.mem_get_info(self.device)
+        return int(free)
+
     def kv_buffer_bytes(self, shape: Sequence[int]) -> int:
         """Memory `kv_buffer(shape)` occupies."""
         return math.prod(shape) * self.kv_dtype.itemsize
