@@ -130,34 +130,39 @@ def check(label: str, ok: bool, detail: str) -> None:
 
 
 # --- conformance architectures ------------------------------------------------------------------
-def tiny_files(folder: pathlib.Path, references: pathlib.Path | None) -> dict[str, tuple[pathlib.Path, list[int]]]:
-    """Name -> (GGUF, ids) of every hand-written tiny architecture and every converted reference model."""
+def architectures(references: pathlib.Path | None) -> list[str]:
+    """Every hand-written tiny architecture (tiny_gguf.WRITERS) and every converted reference model that passes fp32."""
     import importlib.util
 
     from tiny_gguf import WRITERS
 
-    files = {}
-    for name, write in WRITERS.items():
-        if name == "gpt2" and importlib.util.find_spec("corral_gpt2") is None:
-            continue  # the example plugin package is not installed
-        files[name] = (pathlib.Path(write(folder / f"{name}.gguf")), TINY_IDS)
+    names = [name for name in WRITERS if name != "gpt2" or importlib.util.find_spec("corral_gpt2") is not None]
     if references is not None:
-        from reference_models import SPECS, ConvertedReferences
+        from reference_models import SPECS
 
-        converted = ConvertedReferences(references)
-        for spec in SPECS:
-            if (references / spec.name / "model.gguf").is_file() and not spec.fails("fp32_logits"):
-                files[f"ref-{spec.name}"] = (converted.gguf(spec), converted.logits(spec)[0])
-    return files
+        names += [f"ref-{s.name}" for s in SPECS if (references / s.name / "model.gguf").is_file() and not s.fails("fp32_logits")]
+    return names
 
 
-def conformance(device: str, references: pathlib.Path | None) -> dict:
+def tiny_file(name: str, folder: pathlib.Path, references: pathlib.Path | None) -> tuple[pathlib.Path, list[int]]:
+    """The GGUF of one architecture of `architectures` (a hand-written one written into `folder`) and the ids to run."""
+    if name.startswith("ref-"):
+        from reference_models import SPECS_BY_NAME, ConvertedReferences
+
+        spec, converted = SPECS_BY_NAME[name[len("ref-") :]], ConvertedReferences(references)
+        return converted.gguf(spec), converted.logits(spec)[0]
+    from tiny_gguf import WRITERS
+
+    return pathlib.Path(WRITERS[name](folder / f"{name}.gguf")), TINY_IDS
+
+
+def conformance(device: str, names: list[str], references: pathlib.Path | None) -> dict:
     import corral
 
     results = {}
     with tempfile.TemporaryDirectory(prefix="corral-gpu-") as folder:
-        for name, (path, ids) in tiny_files(pathlib.Path(folder), references).items():
-            results[name] = guarded(f"conformance {name}", conformance_one, corral, name, path, ids, device)
+        for name in names:
+            results[name] = guarded(f"conformance {name}", conformance_one, corral, name, *tiny_file(name, pathlib.Path(folder), references), device)
     return results
 
 
@@ -457,16 +462,7 @@ def graph_one(model, device: str, n: int, sizes: dict) -> dict:
 # --- plan and tables --------------------------------------------------------------------------
 def plan(args: argparse.Namespace, sizes: dict) -> dict:
     """What the run would do: sections, models, architectures and sizes, computed without loading anything."""
-    import importlib.util
-
-    from tiny_gguf import WRITERS
-
-    architectures = [n for n in WRITERS if n != "gpt2" or importlib.util.find_spec("corral_gpt2") is not None]
-    if args.references is not None:
-        from reference_models import SPECS
-
-        architectures += [f"ref-{s.name}" for s in SPECS if (args.references / s.name / "model.gguf").is_file() and not s.fails("fp32_logits")]
-    return {"device": args.device, "sections": args.sections, "models": args.models, "architectures": architectures,
+    return {"device": args.device, "sections": args.sections, "models": args.models, "architectures": args.architectures or architectures(args.references),
             "sizes": sizes, "budget_s": args.budget_s}
 
 
@@ -517,6 +513,7 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="small sizes (prefill 64, decode 8, batches 1 and 4)")
     parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
     parser.add_argument("--references", type=pathlib.Path, help="a folder of converted reference models (tests/reference_models.py)")
+    parser.add_argument("--architectures", nargs="+", help="conformance architectures to run (default: all)")
     parser.add_argument("--budget-s", type=float, default=540, help="sections starting later than this are skipped")
     parser.add_argument("--plan", action="store_true", help="print what would run, as JSON, and exit")
     parser.add_argument("--out", default="gpu_results.json")
@@ -531,7 +528,7 @@ def main() -> int:
     if "environment" in want:
         results["environment"] = guarded("environment", environment, args.device)
     if "conformance" in want:
-        results["conformance"] = guarded("conformance", conformance, args.device, args.references, budget=budget)
+        results["conformance"] = guarded("conformance", conformance, args.device, results["plan"]["architectures"], args.references, budget=budget)
     for name in args.models:
         entry = results["models"][name] = {}
         for section, fn, extra in (("correctness", correctness, (args.device, sizes)), ("speed", speed, (args.device, sizes)), ("http", http, (sizes,))):

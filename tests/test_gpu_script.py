@@ -33,14 +33,16 @@ def test_plan_names_every_section_architecture_and_real_model():
     assert plan["sizes"]["batches"] == [1, 8, 32]
 
 
-def test_conformance_section_compares_every_architecture_on_cpu(tmp_path):
+def test_conformance_section_compares_architectures_on_cpu(tmp_path):
+    # Two architectures keep it quick; test_conformance.py runs every one on the CPU already.
     out = tmp_path / "results.json"
-    done = run_script("--device", "cpu", "--quick", "--sections", "environment", "conformance", "--models", "--out", str(out))
+    done = run_script("--device", "cpu", "--quick", "--sections", "environment", "conformance", "--architectures", "llama", "gemma3",
+                      "--models", "--out", str(out))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = json.loads(out.read_text())
     assert results["problems"] == []
     conformance = results["conformance"]
-    assert set(conformance) == expected_architectures()
+    assert set(conformance) == {"llama", "gemma3"}
     for name, figures in conformance.items():
         assert figures["fp32_rel_diff"] == 0.0, name  # the same CPU fp32 path as the reference
         assert 0.0 < figures["auto_rel_diff"] < 5e-2, name  # bf16 and int4: close, not identical
