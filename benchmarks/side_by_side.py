@@ -17,7 +17,7 @@ first alternating from round to round so a shared machine's drift hits both alik
 
 llama-bench and llama-server are built from the llama-cpp-python sdist when missing
 (llama_cpp_tools.py). Beside each decode figure is its bandwidth ceiling: the machine's read
-bandwidth (quant_types.read_bandwidth, measured here first) over the bytes an engine reads a
+bandwidth (quant_types.read_bandwidth, measured here first, or --bandwidth) over the bytes an engine reads a
 token: corral's resident weight bytes (its embedding read a row a token), llama.cpp's file tensor
 bytes (the embedding counted only when it is the output matrix too), plus the KV cache at that
 context. Prefill is compute-bound: no bandwidth ceiling. The tables print as markdown, medians of
@@ -210,6 +210,7 @@ def main() -> None:
     parser.add_argument("--stream-prompt-tokens", type=int, default=64)
     parser.add_argument("--stream-gen-tokens", type=int, default=64)
     parser.add_argument("--python-binding", action="store_true", help="also compare through llama-cpp-python")
+    parser.add_argument("--bandwidth", type=float, help="GB/s of reads for the ceilings, measured elsewhere (a quiet run) instead of now")
     parser.add_argument("--json", type=pathlib.Path, help="write every record here")
     args = parser.parse_args()
 
@@ -217,8 +218,11 @@ def main() -> None:
 
     for name in ("llama-bench", "llama-server"):  # built before anything is timed
         llama_cpp_tools.tool(name)
-    bandwidth = read_bandwidth(passes=5)
-    gb_s = bandwidth["2 threads" if args.threads > 1 else "1 thread"]["best_gb_s"]
+    if args.bandwidth:
+        bandwidth, gb_s = {"given_gb_s": args.bandwidth}, args.bandwidth
+    else:
+        bandwidth = read_bandwidth(passes=5)
+        gb_s = bandwidth["2 threads" if args.threads > 1 else "1 thread"]["best_gb_s"]
     print(f"read bandwidth (load average {os.getloadavg()[0]:.1f}): {json.dumps(bandwidth)}", file=sys.stderr, flush=True)
     everything = {"bandwidth": bandwidth, "models": {}}
     for model in args.models:
@@ -229,7 +233,8 @@ def main() -> None:
         everything["models"][model] = {"records": records, "ceilings": limits}
         if args.python_binding:
             python_binding_table(model, path, args)
-    print(f"\nCeilings at {gb_s:.1f} GB/s of reads ({'2 threads' if args.threads > 1 else '1 thread'}, the best of 5 passes).")
+    how = "given" if args.bandwidth else f"{'2 threads' if args.threads > 1 else '1 thread'}, the best of 5 passes"
+    print(f"\nCeilings at {gb_s:.1f} GB/s of reads ({how}).")
     if args.json:
         args.json.write_text(json.dumps(everything, indent=1))
 
