@@ -1,161 +1,202 @@
-"""corral and llama.cpp on the same GGUF files, measured in one run, alternating.
+"""corral against llama.cpp's own C++ tools on the same GGUF files, in one run, alternating.
 
-    pip install llama-cpp-python        # builds llama.cpp from source (~12 min on 2 cores)
-    python benchmarks/side_by_side.py [--models smollm2 gemma3:270m] [--rounds 2] [--threads 2] [--streams 8]
+    python benchmarks/side_by_side.py [--models smollm2 gemma3:270m] [--rounds 3] [--threads 2] [--streams 8]
+        [--python-binding] [--json results.json]
 
-Every measurement runs in a fresh process (so resident memory is the model's, not the previous
-one's), and the two engines alternate round by round so machine noise hits both alike. Prints a
-table per model with each figure, both engines and the ratio (corral / llama.cpp; for memory and
-load time lower is better).
+In every round, for each model, both engines run each test in fresh processes, which engine goes
+first alternating from round to round so a shared machine's drift hits both alike:
 
-Besides batch 1, it measures N concurrent greedy streams (`--streams`, 64-token prompts, 64 tokens
-each): corral through `run_concurrency_bench` (its Trio runtime), llama.cpp through its C API the
-way llama-server batches them, one `llama_decode` over all sequences per step (no llama-server
-binary is needed). Both figures are generated tokens / wall time, prefill of the prompts included.
+* batch 1: `corral bench`'s measurement (512-token prefill in one batch, then 128 greedy tokens,
+  and 128 more from an empty context) against `llama-bench -t T -p 512 -n 128 -d 0,512 -r 1`
+  (its `tg` decodes from an empty context; `-d 512` decodes after 512 tokens, as corral's main
+  figure does);
+* serving: N concurrent greedy HTTP streams (`--streams`, 64-token prompts, exactly 64 tokens each
+  with `ignore_eos`) against `corral serve` (CORRAL_NUM_PARALLEL=N) and against
+  `llama-server -np N` (the same prompts, as text, and the same per-slot context), after one
+  warm-up request; generated tokens / wall time, time to first token, per-stream decode rate.
+
+llama-bench and llama-server are built from the llama-cpp-python sdist when missing
+(llama_cpp_tools.py). Beside each decode figure is its bandwidth ceiling: the machine's read
+bandwidth (quant_types.read_bandwidth, measured here first, or --bandwidth) over the bytes an engine reads a
+token: corral's resident weight bytes (its embedding read a row a token), llama.cpp's file tensor
+bytes (the embedding counted only when it is the output matrix too), plus the KV cache at that
+context. Prefill is compute-bound: no bandwidth ceiling. The tables print as markdown, medians of
+the rounds with their range, the load average before each run beneath.
+
+`--python-binding` adds the older comparison through llama-cpp-python (llama_cpp_python.py) as a
+second table, when the binding is installed.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import pathlib
 import statistics
 import subprocess
 import sys
 
-LLAMA_CPP = r'''
-import json, resource, sys, time
-from llama_cpp import Llama
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-path, prompt_tokens, gen_tokens, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-start = time.perf_counter()
-llm = Llama(model_path=path, n_ctx=prompt_tokens + gen_tokens + 16, n_batch=512, n_threads=threads,
-            n_threads_batch=threads, verbose=False)
-load_s = time.perf_counter() - start
-with open("/proc/self/statm") as f:
-    rss = int(f.read().split()[1]) * resource.getpagesize() / 1e6
-text = "The history of astronomy spans thousands of years, from the first people who tracked the moon "
-ids = []
-while len(ids) < prompt_tokens:
-    ids += llm.tokenize(text.encode(), add_bos=False)
-ids = ids[:prompt_tokens]
-llm.eval(ids[:8]); llm.reset()  # warm up
-start = time.perf_counter()
-llm.eval(ids)
-prefill_s = time.perf_counter() - start
-start = time.perf_counter()
-for _ in range(gen_tokens):
-    token = llm.sample(temp=0.0)  # greedy on the last logits
-    llm.eval([token])
-decode_s = time.perf_counter() - start
-print(json.dumps({"load_s": load_s, "prefill_tok_s": prompt_tokens / prefill_s, "decode_tok_s": gen_tokens / decode_s,
-                  "rss_after_load_mb": rss, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3}))
-'''
-
-# N streams through llama.cpp's own continuous batching, as llama-server runs them: one context with
-# a sequence per stream, all prompts prefilled in one llama_decode (logits on each prompt's last
-# token), then one llama_decode of N tokens (one per sequence) per step, greedy on every row. Same
-# workload as corral's run_concurrency_bench: N prompts of P tokens of the same English text, each
-# with a distinct first token; G tokens per stream (the first from the prefill's logits, then G - 1
-# decode steps), never stopping at end-of-generation.
-LLAMA_CPP_STREAMS = r"""
-import json, sys, time
-import numpy as np
-import llama_cpp as L
-from llama_cpp._logger import set_verbose
-
-path, streams, prompt_tokens, gen_tokens, threads = sys.argv[1], *map(int, sys.argv[2:6])
-set_verbose(False)
-L.llama_backend_init()
-model = L.llama_model_load_from_file(path.encode(), L.llama_model_default_params())
-vocab = L.llama_model_get_vocab(model)
-n_vocab = L.llama_vocab_n_tokens(vocab)
-params = L.llama_context_default_params()  # flash attention "auto" and per-sequence KV, as llama-server's defaults
-params.n_seq_max = streams
-params.n_ctx = streams * (prompt_tokens + gen_tokens + 8)
-params.n_batch = max(streams * prompt_tokens, 512)
-params.n_ubatch = 512
-params.n_threads = params.n_threads_batch = threads
-ctx = L.llama_init_from_model(model, params)
-memory = L.llama_get_memory(ctx)
-batch = L.llama_batch_init(params.n_batch, 0, 1)
-
-text = ("The history of astronomy spans thousands of years, from the first people who tracked the moon "
-        "and planets to the telescopes that map galaxies billions of light years away. ").encode()
-buf = (L.llama_token * 4096)()
-piece = list(buf[:L.llama_tokenize(vocab, text, len(text), buf, len(buf), False, False)])
-base = (piece * (prompt_tokens // len(piece) + 1))[:prompt_tokens]
-prompts = [[base[(i * 7) % len(base)]] + base[1:] for i in range(streams)]
-
-def decode(rows):
-    # rows: (token, position, sequence, logits wanted); returns the argmax of each wanted row's logits
-    for i, (token, pos, seq, out) in enumerate(rows):
-        batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = token, pos, 1, out
-        batch.seq_id[i][0] = seq
-    batch.n_tokens = len(rows)
-    if L.llama_decode(ctx, batch) != 0:
-        raise RuntimeError("llama_decode failed")
-    return [int(np.ctypeslib.as_array(L.llama_get_logits_ith(ctx, i), shape=(n_vocab,)).argmax())
-            for i, row in enumerate(rows) if row[3]]
-
-def generate(seqs):
-    # Greedy tokens of each prompt in `seqs`, all sequences in every llama_decode.
-    out = [[t] for t in decode([(tok, pos, s, pos == prompt_tokens - 1) for s in seqs for pos, tok in enumerate(prompts[s])])]
-    for step in range(gen_tokens - 1):
-        for tokens, t in zip(out, decode([(out[k][-1], prompt_tokens + step, s, True) for k, s in enumerate(seqs)])):
-            tokens.append(t)
-    return out
-
-decode([(t, pos, 0, pos == 7) for pos, t in enumerate(base[:8])]); L.llama_memory_clear(memory, True)  # warm up
-start = time.perf_counter()
-batched = generate(range(streams))
-wall = time.perf_counter() - start
-L.llama_memory_clear(memory, True)
-single = generate([0])[0]  # the same stream alone: informational check of batch invariance
-print(json.dumps({"aggregate_tok_s": streams * gen_tokens / wall, "wall_s": wall,
-                  "batched_matches_single": batched[0] == single,
-                  "first_mismatch": next((i for i, (a, b) in enumerate(zip(batched[0], single)) if a != b), None)}))
-L.llama_batch_free(batch); L.llama_free(ctx); L.llama_model_free(model)
-"""
-
-FIGURES = [
-    ("load_s", "load time (s)", "lower"),
-    ("prefill_tok_s", "prefill tok/s", "higher"),
-    ("decode_tok_s", "decode tok/s (batch 1)", "higher"),
-    ("rss_after_load_mb", "RSS after load (MB)", "lower"),
-    ("peak_rss_mb", "peak RSS (MB)", "lower"),
-    ("aggregate_tok_s", "aggregate tok/s, {streams} streams", "higher"),
-]
+import http_streams  # noqa: E402 - benchmarks/ is not a package
+import llama_cpp_tools  # noqa: E402
+from quant_types import read_bandwidth, type_mix  # noqa: E402
 
 
-def run_json(command: list[str]) -> dict:
+def run_json(command: list[str], env: dict | None = None) -> dict:
     """Run `command` in a fresh process; its last line of output is a JSON object."""
-    done = subprocess.run(command, capture_output=True, text=True)
+    done = subprocess.run(command, capture_output=True, text=True, env=env)
     if done.returncode != 0:
         raise RuntimeError(f"benchmark process failed ({done.returncode}):\n{done.stderr[-4000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def run_corral(model: str, prompt_tokens: int, gen_tokens: int, threads: int) -> dict:
-    return run_json([sys.executable, "-c", (
+def corral_batch1(model: str, prompt_tokens: int, gen_tokens: int, threads: int) -> dict:
+    code = (
         "import json, torch; torch.set_num_threads(%d); from corral.bench import run_bench; "
-        "print(json.dumps(run_bench(%r, prompt_tokens=%d, gen_tokens=%d)))" % (threads, model, prompt_tokens, gen_tokens)
-    )])
+        "print(json.dumps(run_bench(%r, prompt_tokens=%d, gen_tokens=%d, from_empty=True)))" % (threads, model, prompt_tokens, gen_tokens)
+    )
+    figures = run_json([sys.executable, "-c", code], env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+    return {
+        "prefill_tok_s": figures["prefill_tok_s"],
+        "decode_tok_s": figures["decode_tok_s_from_empty"],
+        f"decode_tok_s_at_{prompt_tokens}": figures["decode_tok_s"],
+        "load_s": figures["load_s"],
+        "rss_after_load_mb": figures["rss_after_load_mb"],
+    }
 
 
-def run_llama_cpp(path: str, prompt_tokens: int, gen_tokens: int, threads: int) -> dict:
-    return run_json([sys.executable, "-c", LLAMA_CPP, path, str(prompt_tokens), str(gen_tokens), str(threads)])
+def llama_cpp_batch1(path: str, prompt_tokens: int, gen_tokens: int, threads: int) -> dict:
+    return llama_cpp_tools.llama_bench(path, threads, prompt_tokens, gen_tokens, depths=(0, prompt_tokens))
 
 
-def run_corral_streams(model: str, streams: int, prompt_tokens: int, gen_tokens: int, threads: int) -> dict:
-    return run_json([sys.executable, "-c", (
+def serve_streams(engine: str, model: str, path: str, prompts: list[str], gen_tokens: int, slot_context: int, threads: int) -> dict:
+    """The prompts as concurrent streams against a fresh server of `engine`, after one warm-up request."""
+    if engine == "corral":
+        server = http_streams.CorralServer(len(prompts), slot_context, threads)
+        request, parse = (lambda p, n: http_streams.corral_request(model, p, n)), http_streams.corral_events
+    else:
+        server = llama_cpp_tools.LlamaServer(path, len(prompts), slot_context, threads)
+        request, parse = http_streams.llama_server_request, http_streams.llama_server_events
+    with server:
+        http_streams.warm_up(server.base_url, request("Warm up: " + prompts[0], 4), parse)
+        return http_streams.run_streams(server.base_url, [request(p, gen_tokens) for p in prompts], parse)
+
+
+def kv_bytes_per_cell(path: str, kv_itemsize: int = 2) -> int:
+    """Bytes of keys and values one context cell holds over all layers (both engines keep 16-bit caches)."""
+    from corral.gguf import GGUFFile
+
+    gguf = GGUFFile.open(path)
+    rows = sum(info.shape[0] for name, info in gguf.tensors.items() if name.endswith((".attn_k.weight", ".attn_v.weight")))
+    return rows * kv_itemsize
+
+
+def ceilings(path: str, gb_s: float, args: argparse.Namespace) -> dict:
+    """Bandwidth ceilings (tok/s) of each engine's decode figures on `path`."""
+    mix, cell = type_mix(pathlib.Path(path)), kv_bytes_per_cell(path)
+    weights = {"corral": mix["corral_bytes_per_token"], "llama.cpp": mix["llama_cpp_bytes_per_token"]}
+    stream_depth = args.stream_prompt_tokens + args.stream_gen_tokens // 2  # the middle of the streams' decode
+    out = {}
+    for engine, weight_bytes in weights.items():
+        out[engine] = {
+            "bytes_per_token": weight_bytes,
+            "decode_tok_s": gb_s * 1e9 / (weight_bytes + cell * args.gen_tokens // 2),
+            f"decode_tok_s_at_{args.prompt_tokens}": gb_s * 1e9 / (weight_bytes + cell * (args.prompt_tokens + args.gen_tokens // 2)),
+            "aggregate_tok_s": args.streams * gb_s * 1e9 / (weight_bytes + args.streams * cell * stream_depth),
+        }
+        out[engine]["stream_tok_s"] = out[engine]["aggregate_tok_s"] / args.streams
+    return out
+
+
+def measure(model: str, path: str, args: argparse.Namespace) -> list[dict]:
+    """Every round's figures of both engines on one model; one record per engine and round."""
+    from corral.tokenizer import load_tokenizer
+
+    prompts = http_streams.stream_prompts(load_tokenizer(path), args.streams, args.stream_prompt_tokens)
+    slot_context = args.stream_prompt_tokens + args.stream_gen_tokens + 64
+    records = []
+    for round_index in range(args.rounds):
+        engines = ["corral", "llama.cpp"] if round_index % 2 == 0 else ["llama.cpp", "corral"]
+        for engine in engines:
+            record = {"model": model, "round": round_index + 1, "engine": engine, "load_before": os.getloadavg()[0]}
+            if engine == "corral":
+                record.update(corral_batch1(model, args.prompt_tokens, args.gen_tokens, args.threads))
+            else:
+                record.update(llama_cpp_batch1(path, args.prompt_tokens, args.gen_tokens, args.threads))
+            streams = serve_streams(engine, model, path, prompts, args.stream_gen_tokens, slot_context, args.threads)
+            if streams["generated_tokens"] != args.streams * args.stream_gen_tokens:
+                print(f"warning: {model}: {engine}'s streams generated {streams['generated_tokens']} tokens, not "
+                      f"{args.streams * args.stream_gen_tokens}", file=sys.stderr)
+            record.update({key: streams[key] for key in ("aggregate_tok_s", "ttft_ms", "stream_tok_s", "prompt_tokens")})
+            print(json.dumps(record), file=sys.stderr, flush=True)
+            records.append(record)
+    return records
+
+
+def cell(records: list[dict], engine: str, key: str, digits: int) -> tuple[str, float | None]:
+    """'median (min-max)' of one figure over the rounds, and the median."""
+    values = [r[key] for r in records if r["engine"] == engine and key in r]
+    if not values:
+        return "—", None
+    median = statistics.median(values)
+    spread = f" ({min(values):.{digits}f}-{max(values):.{digits}f})" if len(values) > 1 else ""
+    return f"{median:.{digits}f}{spread}", median
+
+
+def print_table(model: str, records: list[dict], limits: dict, args: argparse.Namespace) -> None:
+    p, g, n = args.prompt_tokens, args.gen_tokens, args.streams
+    rows = [
+        ("decode tok/s, batch 1, from an empty context", f"llama-bench tg{g}", "decode_tok_s", 1, True),
+        (f"decode tok/s, batch 1, after {p} tokens", f"llama-bench tg{g} -d {p}", f"decode_tok_s_at_{p}", 1, True),
+        (f"prefill tok/s, {p} tokens", f"llama-bench pp{p}", "prefill_tok_s", 0, True),
+        (f"aggregate tok/s, {n} HTTP streams", f"llama-server -np {n}", "aggregate_tok_s", 1, True),
+        (f"time to first token, {n} streams (ms)", f"llama-server -np {n}", "ttft_ms", 0, False),
+        (f"per-stream decode tok/s, {n} streams", f"llama-server -np {n}", "stream_tok_s", 1, True),
+    ]
+    loads = " / ".join(f"{r['engine']} {r['load_before']:.1f}" for r in records)
+    print(f"\n### {model}: {args.rounds} round(s), {args.threads} threads\n")
+    print("| figure | corral | llama.cpp | tool | corral / llama.cpp | bandwidth ceiling, corral / llama.cpp |")
+    print("|---|---|---|---|---|---|")
+    for label, tool, key, digits, higher in rows:
+        ours, our_median = cell(records, "corral", key, digits)
+        theirs, their_median = cell(records, "llama.cpp", key, digits)
+        ratio = f"{our_median / their_median:.2f}x" if our_median and their_median else "—"
+        if not higher and our_median and their_median:
+            ratio += " (lower is better)"
+        if key in limits["corral"]:
+            limit = f"{limits['corral'][key]:.0f} / {limits['llama.cpp'][key]:.0f}"
+        else:
+            limit = "— (compute-bound)" if key == "prefill_tok_s" else "—"
+        print(f"| {label} | {ours} | {theirs} | {tool} | {ratio} | {limit} |")
+    ours, _ = cell(records, "corral", "prompt_tokens", 0)
+    theirs, _ = cell(records, "llama.cpp", "prompt_tokens", 0)
+    print(f"\nPrompt tokens a stream as each server counted them: corral {ours}, llama-server {theirs}. corral load "
+          f"{cell(records, 'corral', 'load_s', 2)[0]} s, RSS after load {cell(records, 'corral', 'rss_after_load_mb', 0)[0]} MB. "
+          f"Bytes a decode token reads: corral {limits['corral']['bytes_per_token'] / 1e6:.0f} MB, llama.cpp "
+          f"{limits['llama.cpp']['bytes_per_token'] / 1e6:.0f} MB (+ the KV cache). Load average before each run: {loads}.")
+
+
+def python_binding_table(model: str, path: str, args: argparse.Namespace) -> None:
+    """The older comparison through llama-cpp-python: batch 1 and N streams through its C API, no HTTP."""
+    import llama_cpp_python
+
+    code = (
         "import json, torch; torch.set_num_threads(%d); from corral.bench import run_concurrency_bench; "
         "print(json.dumps(run_concurrency_bench(%r, concurrency=%d, prompt_tokens=%d, gen_tokens=%d)))"
-        % (threads, model, streams, prompt_tokens, gen_tokens)
-    )])
-
-
-def run_llama_cpp_streams(path: str, streams: int, prompt_tokens: int, gen_tokens: int, threads: int) -> dict:
-    return run_json([sys.executable, "-c", LLAMA_CPP_STREAMS, path, str(streams), str(prompt_tokens), str(gen_tokens), str(threads)])
+        % (args.threads, model, args.streams, args.stream_prompt_tokens, args.stream_gen_tokens)
+    )
+    ours = run_json([sys.executable, "-c", code])
+    theirs = llama_cpp_python.run_llama_cpp_streams(path, args.streams, args.stream_prompt_tokens, args.stream_gen_tokens, args.threads)
+    binding = llama_cpp_python.run_llama_cpp(path, args.prompt_tokens, args.gen_tokens, args.threads)
+    print(f"\n### {model} through llama-cpp-python (one round)\n")
+    print("| figure | corral | llama-cpp-python | corral / llama.cpp |")
+    print("|---|---|---|---|")
+    print(f"| aggregate tok/s, {args.streams} streams (Trio runtime / C API batching) | {ours['aggregate_tok_s']:.1f} | "
+          f"{theirs['aggregate_tok_s']:.1f} | {ours['aggregate_tok_s'] / theirs['aggregate_tok_s']:.2f}x |")
+    for key in ("decode_tok_s", "prefill_tok_s", "load_s", "rss_after_load_mb", "peak_rss_mb"):
+        print(f"| {key} (binding) | | {binding[key]:.2f} | |")
 
 
 def main() -> None:
@@ -163,39 +204,39 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["smollm2", "gemma3:270m"])
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--gen-tokens", type=int, default=128)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--streams", type=int, default=8, help="concurrent greedy streams for the aggregate figure")
+    parser.add_argument("--streams", type=int, default=8, help="concurrent greedy HTTP streams")
     parser.add_argument("--stream-prompt-tokens", type=int, default=64)
     parser.add_argument("--stream-gen-tokens", type=int, default=64)
+    parser.add_argument("--python-binding", action="store_true", help="also compare through llama-cpp-python")
+    parser.add_argument("--bandwidth", type=float, help="GB/s of reads for the ceilings, measured elsewhere (a quiet run) instead of now")
+    parser.add_argument("--json", type=pathlib.Path, help="write every record here")
     args = parser.parse_args()
-    stream_args = (args.streams, args.stream_prompt_tokens, args.stream_gen_tokens, args.threads)
 
     from corral import store
 
+    for name in ("llama-bench", "llama-server"):  # built before anything is timed
+        llama_cpp_tools.tool(name)
+    if args.bandwidth:
+        bandwidth, gb_s = {"given_gb_s": args.bandwidth}, args.bandwidth
+    else:
+        bandwidth = read_bandwidth(passes=5)
+        gb_s = bandwidth["2 threads" if args.threads > 1 else "1 thread"]["best_gb_s"]
+    print(f"read bandwidth (load average {os.getloadavg()[0]:.1f}): {json.dumps(bandwidth)}", file=sys.stderr, flush=True)
+    everything = {"bandwidth": bandwidth, "models": {}}
     for model in args.models:
         path = str(store.ensure_model(model))
-        results: dict[str, list[dict]] = {"corral": [], "llama.cpp": []}
-        for _ in range(args.rounds):
-            results["corral"].append(run_corral(model, args.prompt_tokens, args.gen_tokens, args.threads))
-            results["llama.cpp"].append(run_llama_cpp(path, args.prompt_tokens, args.gen_tokens, args.threads))
-            ours, theirs = run_corral_streams(model, *stream_args), run_llama_cpp_streams(path, *stream_args)
-            results["corral"][-1]["aggregate_tok_s"] = ours["aggregate_tok_s"]
-            results["llama.cpp"][-1]["aggregate_tok_s"] = theirs["aggregate_tok_s"]
-            if ours["generated_tokens"] != args.streams * args.stream_gen_tokens:
-                print(f"warning: {model}: corral's streams generated {ours['generated_tokens']} tokens, not "
-                      f"{args.streams * args.stream_gen_tokens} (some stopped at end-of-generation)", file=sys.stderr)
-            if not theirs["batched_matches_single"]:
-                print(f"warning: {model}: llama.cpp's greedy tokens for stream 0 batched with {args.streams - 1} others differ "
-                      f"from the same stream alone (first at token {theirs['first_mismatch']})", file=sys.stderr)
-        print(f"\n## {model} ({args.rounds} rounds, median; {args.threads} threads; {args.streams} streams of "
-              f"{args.stream_prompt_tokens}-token prompts, {args.stream_gen_tokens} tokens each)\n")
-        print("| figure | corral | llama.cpp | corral / llama.cpp |")
-        print("|---|---|---|---|")
-        for key, label, _better in FIGURES:
-            ours = statistics.median(r[key] for r in results["corral"])
-            theirs = statistics.median(r[key] for r in results["llama.cpp"])
-            print(f"| {label.format(streams=args.streams)} | {ours:.2f} | {theirs:.2f} | {ours / theirs:.2f}x |")
+        records = measure(model, path, args)
+        limits = ceilings(path, gb_s, args)
+        print_table(model, records, limits, args)
+        everything["models"][model] = {"records": records, "ceilings": limits}
+        if args.python_binding:
+            python_binding_table(model, path, args)
+    how = "given" if args.bandwidth else f"{'2 threads' if args.threads > 1 else '1 thread'}, the best of 5 passes"
+    print(f"\nCeilings at {gb_s:.1f} GB/s of reads ({how}).")
+    if args.json:
+        args.json.write_text(json.dumps(everything, indent=1))
 
 
 if __name__ == "__main__":

@@ -36,8 +36,21 @@ def prompt_ids(model, count: int) -> list[int]:
     return ids[:count]
 
 
-def run_bench(name: str, prompt_tokens: int = 512, gen_tokens: int = 128, precision: str = "auto") -> dict:
-    """Load `name`, prefill `prompt_tokens` in one batch, decode `gen_tokens` greedily; return the figures."""
+def greedy_decode_s(model, logits, cache, position: int, count: int) -> float:
+    """Seconds to decode `count` greedy tokens at batch 1 after `logits` (the last row's), from `position` on."""
+    token = int(np.argmax(logits[-1]))
+    start = time.perf_counter()
+    for _ in range(count):
+        logits = model.forward(Batch.single([token], start=position), cache)
+        token, position = int(np.argmax(logits[-1])), position + 1
+    return time.perf_counter() - start
+
+
+def run_bench(name: str, prompt_tokens: int = 512, gen_tokens: int = 128, precision: str = "auto", from_empty: bool = False) -> dict:
+    """Load `name`, prefill `prompt_tokens` in one batch, decode `gen_tokens` greedily; return the figures.
+
+    With `from_empty`, also `decode_tok_s_from_empty`: the same decode after a one-token prompt (llama-bench's
+    `tg` test decodes from an empty context; the main figure decodes after the prompt)."""
     start = time.perf_counter()
     model = load_model(name, precision=precision)
     load_s = time.perf_counter() - start
@@ -51,12 +64,11 @@ def run_bench(name: str, prompt_tokens: int = 512, gen_tokens: int = 128, precis
     logits = model.forward(Batch.single(ids), cache)
     prefill_s = time.perf_counter() - start
 
-    token, position = int(np.argmax(logits[-1])), prompt_tokens
-    start = time.perf_counter()
-    for _ in range(gen_tokens):
-        logits = model.forward(Batch.single([token], start=position), cache)
-        token, position = int(np.argmax(logits[-1])), position + 1
-    decode_s = time.perf_counter() - start
+    decode_s = greedy_decode_s(model, logits, cache, prompt_tokens, gen_tokens)
+    extra = {}
+    if from_empty:
+        cache = model.new_cache(1 + gen_tokens)
+        extra["decode_tok_s_from_empty"] = gen_tokens / greedy_decode_s(model, model.forward(Batch.single(ids[:1]), cache), cache, 1, gen_tokens)
 
     return {
         "model": name,
@@ -70,6 +82,7 @@ def run_bench(name: str, prompt_tokens: int = 512, gen_tokens: int = 128, precis
         "decode_tok_s": gen_tokens / decode_s,
         "rss_after_load_mb": rss_after_load,
         "peak_rss_mb": peak_rss_mb(),
+        **extra,
     }
 
 
