@@ -20,16 +20,7 @@ import attrs
 import torch
 
 from corral.model import CacheLayer
-from corral.parallel.shards import TensorParallelError
-
-
-def stage_blocks(block_count: int, stages: int, stage: int) -> range:
-    """The blocks of `stage`: consecutive, as even as they go, the earlier stages taking one more."""
-    if not 1 <= stages <= block_count:
-        raise TensorParallelError(f"pipeline_parallel {stages} needs between 1 and the model's {block_count} blocks")
-    size, extra = divmod(block_count, stages)
-    start = stage * size + min(stage, extra)
-    return range(start, start + size + (stage < extra))
+from corral.parallel.shards import TensorParallelError, stage_blocks  # noqa: F401 - stage_blocks: ranks.py imports it from here
 
 
 @attrs.frozen(eq=False)

@@ -140,8 +140,6 @@ class TensorParallel:
 
 def check_split(path: Any, tensor_parallel: int = 1, pipeline_parallel: int = 1) -> None:
     """Refuse, from the GGUF's metadata alone (before any process starts), a split its model cannot take."""
-    from corral.parallel.pipeline import stage_blocks
-
     if tensor_parallel > 1 and pipeline_parallel > 1:
         raise TensorParallelError("tensor_parallel and pipeline_parallel do not combine yet; choose one")
     if tensor_parallel == pipeline_parallel == 1:
@@ -154,6 +152,16 @@ def check_split(path: Any, tensor_parallel: int = 1, pipeline_parallel: int = 1)
             stage_blocks(int(gguf.metadata[f"{gguf.architecture}.block_count"]), pipeline_parallel, 0)
     finally:
         gguf.close()
+
+
+# Here, not in pipeline.py (which needs torch): the server checks a split without importing torch.
+def stage_blocks(block_count: int, stages: int, stage: int) -> range:
+    """The blocks of `stage`: consecutive, as even as they go, the earlier stages taking one more."""
+    if not 1 <= stages <= block_count:
+        raise TensorParallelError(f"pipeline_parallel {stages} needs between 1 and the model's {block_count} blocks")
+    size, extra = divmod(block_count, stages)
+    start = stage * size + min(stage, extra)
+    return range(start, start + size + (stage < extra))
 
 
 def check_heads(gguf: GGUFFile, world: int) -> None:
