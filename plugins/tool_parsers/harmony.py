@@ -7,7 +7,7 @@ import json
 import re
 
 from corral.hookspecs import hookimpl
-from corral.toolcalls import Parsed, ToolCall, ToolCallParser
+from corral.toolcalls import Parsed, PendingCall, ToolCall, ToolCallParser
 
 MESSAGE = "<|message|>"
 ENDS = ("<|end|>", "<|call|>", "<|return|>")
@@ -72,6 +72,11 @@ class HarmonyToolCallParser(ToolCallParser):
             out += self._emit("", done=True)
         return out
 
+    def pending(self) -> PendingCall | None:
+        if self._header is None and self._recipient is not None:
+            return PendingCall(self._recipient, self._body)
+        return None
+
     def _emit(self, text: str, done: bool) -> Parsed:
         if self._recipient is None:
             return Parsed(thinking=text) if self._channel == "analysis" else Parsed(text)
@@ -83,7 +88,9 @@ class HarmonyToolCallParser(ToolCallParser):
             arguments = json.loads(body) if body.strip() else {}
         except json.JSONDecodeError:
             return Parsed(body)
-        return Parsed(calls=(ToolCall(name, arguments),)) if isinstance(arguments, dict) else Parsed(body)
+        if not isinstance(arguments, dict):
+            return Parsed(body)
+        return Parsed(calls=(ToolCall(name, arguments, arguments_text=body if body.strip() else None),))
 
 
 @hookimpl
