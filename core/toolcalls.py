@@ -242,6 +242,7 @@ class JsonToolCallParser(ToolCallParser):
     name_key = "name"
     arguments_key = "arguments"
     writes_list = False  # a forced call is written as a JSON list of calls (Mistral, Granite, Command-R)
+    fence = ""  # text between the prefix and the JSON (Command-R+'s ```json)
     # Whether models write the prefix as ordinary text tokens. A control token ([TOOL_CALLS], <|tool_call|>) is no
     # text to llguidance, so free text could never reach it: auto mode then leaves the reply unconstrained.
     prefix_is_text = False
@@ -303,20 +304,31 @@ class JsonToolCallParser(ToolCallParser):
         schema = {**call_schema(tools, cls.name_key, cls.arguments_key), "x-guidance": JSON_OPTIONS}
         if cls.writes_list:
             schema = {"type": "array", "items": schema, "minItems": 1, **({} if parallel else {"maxItems": 1}), "x-guidance": JSON_OPTIONS}
-        # A newline may follow the prefix and precede the suffix, as templates write them; no other blanks.
-        one = " ".join(part for part in (_lark_literal(cls.prefix) if cls.prefix else "", 'NL? call NL?' if cls.suffix else "NL? call",
-                                         _lark_literal(cls.suffix) if cls.suffix else "") if part)
+        # A newline may follow the prefix (and a fence) and precede the suffix, as templates write them; no other blanks.
+        body = " ".join(part for part in ("NL?", f"{_lark_literal(cls.fence)} NL?" if cls.fence else "", "call",
+                                          f"NL? {_lark_literal(cls.suffix)}" if cls.suffix else "") if part)
         separator = "NL?" if cls.prefix else _lark_literal(cls.separator)
-        calls = f"{one} ({separator} {one})*" if parallel and not cls.writes_list else one
-        rules = [f"call: %json {json.dumps(schema)}", 'NL: "\\n"']
-        if lazy:
-            # Text without the prefix, or text up to the prefix's first occurrence (one lexeme, so the lexer
-            # never has to decide where text ends and a prefix starts) and then the calls.
-            prefix = _regex_literal(cls.prefix)
-            rules.append(f"TEXT: /(?s:.+)/ & ~/(?s:.*{prefix}.*)/")
-            rules.append(f"OPEN: /(?s:.*){prefix}/ & ~/(?s:.*{prefix}.+)/")
-            return "\n".join([f"start: TEXT | OPEN {calls.removeprefix(_lark_literal(cls.prefix)).lstrip()}", *rules]) + "\n"
-        return "\n".join([f"start: {calls}", *rules]) + "\n"
+        return calls_grammar(cls.prefix, body, [f"call: %json {json.dumps(schema)}"], parallel and not cls.writes_list, lazy, separator)
+
+
+def calls_grammar(prefix: str, body: str, rules: list[str], parallel: bool, lazy: bool = False, separator: str = "NL?") -> str:
+    """A Lark grammar (llguidance's dialect) of a reply that is calls, each `prefix` then `body` (an expression over
+    `rules`; NL is a newline), one unless `parallel` (then `separator` between). `lazy`: the reply may be any text
+    without the prefix instead, and only once the prefix is written is the rest held to the calls."""
+    one = f"{_lark_literal(prefix)} {body}" if prefix else body
+    more = f" ({separator} {one})*" if parallel else ""
+    rules = [*rules, 'NL: "\\n"']
+    if not lazy:
+        return "\n".join([f"start: {one}{more}", *rules]) + "\n"
+    # Text without the prefix, or text up to the prefix's first occurrence (one lexeme, so the lexer never has to
+    # decide where text ends and a prefix starts) and then the calls.
+    opens = _regex_literal(prefix)
+    rules += [f"TEXT: /(?s:.+)/ & ~/(?s:.*{opens}.*)/", f"OPEN: /(?s:.*){opens}/ & ~/(?s:.*{opens}.+)/"]
+    return "\n".join([f"start: TEXT | OPEN {body}{more}", *rules]) + "\n"
+
+
+def _regex_literal(text: str) -> str:
+    return re.escape(text).replace("/", "\\/")
 
 
 # The head of a call object as the forcing grammar writes it (and most models do): the name, then the arguments.
@@ -342,10 +354,6 @@ def _decodes_to(text: str, value: Any) -> bool:
         return json.loads(text) == value
     except json.JSONDecodeError:
         return False
-
-
-def _regex_literal(text: str) -> str:
-    return re.escape(text).replace("/", "\\/")
 
 
 # --- which family a template writes ------------------------------------------------------------
