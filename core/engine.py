@@ -142,8 +142,11 @@ class LoadedModel:
             ids = ids[1:]  # the template wrote BOS itself
         return ids
 
-    def prompt_ids(self, prompt: str, raw: bool = False, system: str | None = None, context: Sequence[int] = ()) -> list[int]:
-        """A generate request's token ids: `context` (earlier ids), then the prompt as a user turn unless `raw`.
+    def prompt_ids(
+        self, prompt: str, raw: bool = False, system: str | None = None, context: Sequence[int] = (), think: bool | str | None = None
+    ) -> list[int]:
+        """A generate request's token ids: `context` (earlier ids), then the prompt as a user turn unless `raw` (`think`
+        sets the template's thinking switch).
 
         BOS is only added at the start of a conversation, never after a `context`.
         """
@@ -151,7 +154,7 @@ class LoadedModel:
             ids = self.tokenize(prompt, add_special=not context)
         else:
             system_turn = [{"role": "system", "content": system}] if system else []
-            ids = self.chat_ids(system_turn + [{"role": "user", "content": prompt}])
+            ids = self.chat_ids(system_turn + [{"role": "user", "content": prompt}], think=think)
         return list(context) + ids
 
     def generate(

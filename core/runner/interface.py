@@ -151,8 +151,10 @@ class Runner(Protocol):
         logprobs: bool = False,
         top_logprobs: int = 0,
         format: str | dict | None = None,
+        think: bool | str | None = None,
     ) -> contextlib.AbstractAsyncContextManager[Stream]:
-        """Stream the completion of `prompt` (in the chat template as a user turn unless `raw`)."""
+        """Stream the completion of `prompt` (in the chat template as a user turn unless `raw`; `think` sets the
+        template's thinking switch, None its default)."""
 
     def chat(
         self,

@@ -255,10 +255,11 @@ class RunnerProcess:
         logprobs: bool = False,
         top_logprobs: int = 0,
         format: str | dict | None = None,
+        think: bool | str | None = None,
     ) -> contextlib.AbstractAsyncContextManager[Stream]:
         """Stream the completion of `prompt`, as `Runtime.generate` does."""
         args = dict(prompt=prompt, options=options, raw=raw, system=system, context=context, shift=shift,
-                    logprobs=logprobs, top_logprobs=top_logprobs, format=format)
+                    logprobs=logprobs, top_logprobs=top_logprobs, format=format, think=think)
         return self._stream("generate", args)
 
     def chat(

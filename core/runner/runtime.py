@@ -216,16 +216,18 @@ class Runtime:
         logprobs: bool = False,
         top_logprobs: int = 0,
         format: str | dict | None = None,
+        think: bool | str | None = None,
     ) -> contextlib.AbstractAsyncContextManager[Stream]:
         """Stream the completion of `prompt` (wrapped in the chat template as a user turn unless `raw`).
 
-        `format` ("json" or a JSON-schema object) constrains the output to one such JSON value.
+        `format` ("json" or a JSON-schema object) constrains the output to one such JSON value; `think` (true/false or
+        an effort level; None: the template's default) sets the template's thinking switch.
         """
         opts = self.parse_options(options)
         grammar = compile_format(format)
 
         def prompt_ids() -> list[int]:
-            return self.model.prompt_ids(prompt, raw=raw, system=system, context=context or ())
+            return self.model.prompt_ids(prompt, raw=raw, system=system, context=context or (), think=think)
 
         return self._stream(prompt_ids, opts, shift, logprobs, top_logprobs, grammar)
 
