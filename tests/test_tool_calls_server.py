@@ -128,7 +128,7 @@ def _decodes(text: str) -> bool:
 @pytest.mark.parametrize("family", sorted(TEMPLATES))
 async def test_openai_stream_accumulates_to_the_whole_reply(tool_server, family):
     """The deltas, accumulated as the openai client's stream helper does, give the non-streaming reply's calls."""
-    kwargs = {"tool_choice": "required", "seed": 1, "temperature": 1.0}
+    kwargs = {"tool_choice": "required", "parallel_tool_calls": False, "seed": 1, "temperature": 1.0}
     whole = await in_thread(lambda: forced(tool_server, family, **kwargs))
 
     def accumulated():
