@@ -162,10 +162,7 @@ def mask_logits(logits: torch.Tensor, matchers: Sequence[GrammarMatcher]) -> tor
     """`logits` [b, V] with every token that row b's matcher does not allow set to -inf, in place."""
     vocab = matchers[0].vocab_size  # one model per runtime, so one tokenizer for every row
     bitmask = llguidance.numpy.allocate_token_bitmask(len(matchers), vocab)
-    if len(matchers) == 1:  # one row: computed on this thread, no hand-off to the executor's pool
-        llguidance.numpy.fill_next_token_bitmask(matchers[0].matcher, bitmask, 0)
-    else:
-        llguidance.numpy.fill_next_token_bitmask_par(_executor(), [(m.matcher, row) for row, m in enumerate(matchers)], bitmask)
+    llguidance.numpy.fill_next_token_bitmask_par(_executor(), [(m.matcher, row) for row, m in enumerate(matchers)], bitmask)
     # llguidance.torch's apply is torch.compile'd (tens of seconds to compile on CPU): unpack the bits eagerly.
     words = torch.from_numpy(bitmask).to(logits.device)
     allowed = ((words[:, :, None] >> _bit_shifts(logits.device)) & 1).bool().flatten(1)
