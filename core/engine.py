@@ -170,9 +170,11 @@ class LoadedModel:
         return ids
 
     def prompt_ids(
-        self, prompt: str, raw: bool = False, system: str | None = None, context: Sequence[int] = (), images: Sequence[DecodedImage] = ()
+        self, prompt: str, raw: bool = False, system: str | None = None, context: Sequence[int] = (),
+        images: Sequence[DecodedImage] = (), think: bool | str | None = None,
     ) -> list[int]:
-        """A generate request's token ids: `context` (earlier ids), then the prompt as a user turn unless `raw`.
+        """A generate request's token ids: `context` (earlier ids), then the prompt as a user turn unless `raw` (`think`
+        sets the template's thinking switch).
 
         BOS is only added at the start of a conversation, never after a `context`. `images` go where
         the prompt's `[img-N]` tags say, or before its text; their rows are placeholder ids (`corral.vision`).
@@ -181,7 +183,7 @@ class LoadedModel:
             ids = self._text_ids(tag_images(prompt, len(images)), not context, images)
         else:
             system_turn = [{"role": "system", "content": system}] if system else []
-            ids = self.chat_ids(system_turn + [{"role": "user", "content": prompt, "images": list(images)}])
+            ids = self.chat_ids(system_turn + [{"role": "user", "content": prompt, "images": list(images)}], think=think)
         return list(context) + ids
 
     def _text_ids(self, text: str, add_special: bool, images: Sequence[DecodedImage]) -> list[int]:

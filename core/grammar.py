@@ -155,6 +155,11 @@ def _executor() -> llguidance.LLExecutor:
     return llguidance.LLExecutor()
 
 
+@functools.cache
+def _bit_shifts(device: torch.device) -> torch.Tensor:
+    return torch.arange(32, dtype=torch.int32, device=device)
+
+
 def mask_logits(logits: torch.Tensor, matchers: Sequence[GrammarMatcher]) -> torch.Tensor:
     """`logits` [b, V] with every token that row b's matcher does not allow set to -inf, in place."""
     import torch  # here, not at the top: the server compiles formats with this module and never imports torch
@@ -164,8 +169,7 @@ def mask_logits(logits: torch.Tensor, matchers: Sequence[GrammarMatcher]) -> tor
     llguidance.numpy.fill_next_token_bitmask_par(_executor(), [(m.matcher, row) for row, m in enumerate(matchers)], bitmask)
     # llguidance.torch's apply is torch.compile'd (tens of seconds to compile on CPU): unpack the bits eagerly.
     words = torch.from_numpy(bitmask).to(logits.device)
-    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
-    allowed = ((words[:, :, None] >> shifts) & 1).bool().flatten(1)
+    allowed = ((words[:, :, None] >> _bit_shifts(logits.device)) & 1).bool().flatten(1)
     width = min(vocab, logits.shape[1])
     logits[:, :width].masked_fill_(~allowed[:, :width], float("-inf"))
     logits[:, width:] = float("-inf")  # the model's padding columns beyond the vocabulary are no tokens

@@ -303,7 +303,8 @@ class SamplerChain:
         checks = [(step, rows) for step, rows in checks if rows]
         final, ids, active = self._candidates(raw, seqs, defer=bool(checks))
         tokens = self._draw(final, ids, seqs)
-        rejected = sorted({row for step, rows in checks for row in rows if not step.allows(seqs[row], int(tokens[row]))})
+        drawn = tokens.tolist() if checks else []  # one transfer for every row's check, not a device sync per row
+        rejected = sorted({row for step, rows in checks for row in rows if not step.allows(seqs[row], drawn[row])})
         self._observe(final, ids, tokens, seqs, active, skip=set(rejected))
         if rejected:
             again = [seqs[row] for row in rejected]

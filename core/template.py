@@ -140,10 +140,11 @@ class ChatTemplate:
 
 
 def renders_tools(source: str) -> bool:
-    """Whether a template renders the tools on offer: a Go one names `.Tools` (as Ollama checks), a Jinja one `tools`."""
+    """Whether a template takes tools: a Go one names `.Tools` (as Ollama checks), a Jinja one `tools`, or writes past
+    `tool_calls` (DeepSeek's templates write calls but never list the tools; llama.cpp serves tools to them too)."""
     if is_go_template(source):
         return "tools" in _go_vars(source)
-    return "tools" in source
+    return "tools" in source or "tool_calls" in source
 
 
 def renders_suffix(source: str) -> bool:

@@ -43,6 +43,9 @@ class ToolCall:
     name: str
     arguments: dict[str, Any]
     id: str = attrs.field(factory=lambda: f"call_{secrets.token_hex(12)}")
+    # The arguments' JSON as the model wrote it, when it was streamed as written (OpenAI's argument fragments):
+    # the whole reply then shows the same text the fragments add up to.
+    arguments_text: str | None = attrs.field(default=None, eq=False)
 
     def ollama(self, index: int) -> dict:
         """Ollama's shape: arguments as an object."""
@@ -50,8 +53,20 @@ class ToolCall:
 
     def openai(self, index: int) -> dict:
         """OpenAI's shape: arguments as a JSON string."""
-        return {"index": index, "id": self.id, "type": "function",
-                "function": {"name": self.name, "arguments": json.dumps(self.arguments, ensure_ascii=False)}}
+        return {"index": index, "id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments_json()}}
+
+    def arguments_json(self) -> str:
+        """The arguments as a JSON string: as written when known, else serialised."""
+        return self.arguments_text if self.arguments_text is not None else json.dumps(self.arguments, ensure_ascii=False)
+
+
+@attrs.frozen
+class PendingCall:
+    """A call being written: its function's name, known, and its arguments' text so far (a prefix of the
+    finished call's `arguments_json()`)."""
+
+    name: str
+    arguments: str
 
 
 @attrs.frozen
@@ -61,9 +76,10 @@ class Parsed:
     content: str = ""
     calls: tuple[ToolCall, ...] = ()
     thinking: str = ""  # reasoning the model wrote in its own channel (harmony's analysis)
+    pending: PendingCall | None = None  # the call being written after this step, once its name is known
 
     def __add__(self, other: Parsed) -> Parsed:
-        return Parsed(self.content + other.content, self.calls + other.calls, self.thinking + other.thinking)
+        return Parsed(self.content + other.content, self.calls + other.calls, self.thinking + other.thinking, other.pending)
 
 
 class ToolCallParser:
@@ -160,6 +176,10 @@ class ToolCallParser:
         """The calls at the start of `text`, and the characters they used; ([], 0) when it is no call."""
         raise NotImplementedError
 
+    def pending(self) -> PendingCall | None:
+        """The call being written, once its name is known (None for families that only report whole calls)."""
+        return None
+
 
 def _json_value(text: str, final: bool) -> tuple[Any, int] | None:
     """The JSON value at the start of `text` (after blanks) and where it ends; None while incomplete;
@@ -222,6 +242,7 @@ class JsonToolCallParser(ToolCallParser):
     name_key = "name"
     arguments_key = "arguments"
     writes_list = False  # a forced call is written as a JSON list of calls (Mistral, Granite, Command-R)
+    fence = ""  # text between the prefix and the JSON (Command-R+'s ```json)
     # Whether models write the prefix as ordinary text tokens. A control token ([TOOL_CALLS], <|tool_call|>) is no
     # text to llguidance, so free text could never reach it: auto mode then leaves the reply unconstrained.
     prefix_is_text = False
@@ -231,7 +252,20 @@ class JsonToolCallParser(ToolCallParser):
         if prefix is not None:
             self.prefix = prefix
 
+    def pending(self) -> PendingCall | None:
+        return written_call(self._buffer) if self._in_call else None
+
     def take_calls(self, text: str, final: bool) -> tuple[list[ToolCall], int] | None:
+        taken = self._take_calls(text, final)
+        if taken and taken[0]:
+            # The first call is the one `pending` reported while it was written: keep its text as written.
+            written = written_call(text[: taken[1]])
+            first = taken[0][0]
+            if written is not None and written.name == first.name and _decodes_to(written.arguments, first.arguments):
+                taken[0][0] = attrs.evolve(first, arguments_text=written.arguments)
+        return taken
+
+    def _take_calls(self, text: str, final: bool) -> tuple[list[ToolCall], int] | None:
         calls: list[ToolCall] = []
         at = 0
         while True:
@@ -270,24 +304,56 @@ class JsonToolCallParser(ToolCallParser):
         schema = {**call_schema(tools, cls.name_key, cls.arguments_key), "x-guidance": JSON_OPTIONS}
         if cls.writes_list:
             schema = {"type": "array", "items": schema, "minItems": 1, **({} if parallel else {"maxItems": 1}), "x-guidance": JSON_OPTIONS}
-        # A newline may follow the prefix and precede the suffix, as templates write them; no other blanks.
-        one = " ".join(part for part in (_lark_literal(cls.prefix) if cls.prefix else "", 'NL? call NL?' if cls.suffix else "NL? call",
-                                         _lark_literal(cls.suffix) if cls.suffix else "") if part)
+        # A newline may follow the prefix (and a fence) and precede the suffix, as templates write them; no other blanks.
+        body = " ".join(part for part in ("NL?", f"{_lark_literal(cls.fence)} NL?" if cls.fence else "", "call",
+                                          f"NL? {_lark_literal(cls.suffix)}" if cls.suffix else "") if part)
         separator = "NL?" if cls.prefix else _lark_literal(cls.separator)
-        calls = f"{one} ({separator} {one})*" if parallel and not cls.writes_list else one
-        rules = [f"call: %json {json.dumps(schema)}", 'NL: "\\n"']
-        if lazy:
-            # Text without the prefix, or text up to the prefix's first occurrence (one lexeme, so the lexer
-            # never has to decide where text ends and a prefix starts) and then the calls.
-            prefix = _regex_literal(cls.prefix)
-            rules.append(f"TEXT: /(?s:.+)/ & ~/(?s:.*{prefix}.*)/")
-            rules.append(f"OPEN: /(?s:.*){prefix}/ & ~/(?s:.*{prefix}.+)/")
-            return "\n".join([f"start: TEXT | OPEN {calls.removeprefix(_lark_literal(cls.prefix)).lstrip()}", *rules]) + "\n"
-        return "\n".join([f"start: {calls}", *rules]) + "\n"
+        return calls_grammar(cls.prefix, body, [f"call: %json {json.dumps(schema)}"], parallel and not cls.writes_list, lazy, separator)
+
+
+def calls_grammar(prefix: str, body: str, rules: list[str], parallel: bool, lazy: bool = False, separator: str = "NL?") -> str:
+    """A Lark grammar (llguidance's dialect) of a reply that is calls, each `prefix` then `body` (an expression over
+    `rules`; NL is a newline), one unless `parallel` (then `separator` between). `lazy`: the reply may be any text
+    without the prefix instead, and only once the prefix is written is the rest held to the calls."""
+    one = f"{_lark_literal(prefix)} {body}" if prefix else body
+    more = f" ({separator} {one})*" if parallel else ""
+    rules = [*rules, 'NL: "\\n"']
+    if not lazy:
+        return "\n".join([f"start: {one}{more}", *rules]) + "\n"
+    # Text without the prefix, or text up to the prefix's first occurrence (one lexeme, so the lexer never has to
+    # decide where text ends and a prefix starts) and then the calls.
+    opens = _regex_literal(prefix)
+    rules += [f"TEXT: /(?s:.+)/ & ~/(?s:.*{opens}.*)/", f"OPEN: /(?s:.*){opens}/ & ~/(?s:.*{opens}.+)/"]
+    return "\n".join([f"start: TEXT | OPEN {body}{more}", *rules]) + "\n"
 
 
 def _regex_literal(text: str) -> str:
     return re.escape(text).replace("/", "\\/")
+
+
+# The head of a call object as the forcing grammar writes it (and most models do): the name, then the arguments.
+_CALL_HEAD = re.compile(r'\s*\[?\s*\{\s*"(?:name|function|tool_name)"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*')
+
+
+def written_call(text: str) -> PendingCall | None:
+    """The call whose JSON object starts `text`: its name and its arguments' text so far (all of it once the
+    arguments' value is complete, nothing after); None until the name and the arguments' key are written."""
+    head = _CALL_HEAD.match(text)
+    if head is None:
+        return None
+    rest = text[head.end() :]
+    try:
+        _, end = json.JSONDecoder().raw_decode(rest)
+    except json.JSONDecodeError:
+        end = len(rest)  # still being written: all of it belongs to the arguments
+    return PendingCall(json.loads(head.group(1)), rest[:end])
+
+
+def _decodes_to(text: str, value: Any) -> bool:
+    try:
+        return json.loads(text) == value
+    except json.JSONDecodeError:
+        return False
 
 
 # --- which family a template writes ------------------------------------------------------------

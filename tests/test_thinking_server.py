@@ -169,6 +169,35 @@ async def test_show_lists_thinking_among_the_capabilities(think_server):
     assert "thinking" not in (await in_thread(client.show, "tiny-plain")).capabilities
 
 
-async def test_think_on_generate_is_refused_not_dropped(think_server):
-    with pytest.raises(ollama.ResponseError, match="think is supported on /api/chat"):
-        await in_thread(lambda: ollama.Client(host=think_server).generate(model="tiny-r1", prompt="Why?", think=True))
+def ollama_generate(server: str, model: str, **kwargs):
+    return ollama.Client(host=server).generate(model=model, prompt="Why is the sky blue?", options=OPTIONS, **kwargs)
+
+
+async def test_ollama_generate_thinking_comes_in_its_own_field(think_server):
+    """As on /api/chat: R1's prompt opens the thinking block, so all the random model writes is thinking."""
+    reply = await in_thread(lambda: ollama_generate(think_server, "tiny-r1", think=True))
+    assert reply.thinking and "<think>" not in reply.thinking and not reply.response
+    assert reply.eval_count == OPTIONS["num_predict"] and reply.context
+    plain = await in_thread(lambda: ollama_generate(think_server, "tiny-r1"))
+    assert plain.thinking is None and plain.response  # without think, the text is the response, as Ollama
+
+
+async def test_ollama_generate_streams_thinking_chunks(think_server):
+    chunks = await in_thread(lambda: list(ollama_generate(think_server, "tiny-r1", think=True, stream=True)))
+    thinking = "".join(chunk.thinking or "" for chunk in chunks)
+    whole = await in_thread(lambda: ollama_generate(think_server, "tiny-r1", think=True))
+    assert thinking == whole.thinking and sum(1 for chunk in chunks if chunk.thinking) > 1
+    assert chunks[-1].done and not "".join(chunk.response for chunk in chunks)
+
+
+async def test_ollama_generate_think_switches_the_template(think_server):
+    """Qwen 3's prompt grows by the empty thinking block when thinking is off."""
+    on = await in_thread(lambda: ollama_generate(think_server, "tiny-qwen3", think=True))
+    off = await in_thread(lambda: ollama_generate(think_server, "tiny-qwen3", think=False))
+    assert off.prompt_eval_count > on.prompt_eval_count
+
+
+async def test_ollama_generate_think_on_a_model_that_cannot_think_is_400(think_server):
+    with pytest.raises(ollama.ResponseError, match="does not support thinking") as error:
+        await in_thread(lambda: ollama_generate(think_server, "tiny-plain", think=True))
+    assert error.value.status_code == 400

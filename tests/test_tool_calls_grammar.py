@@ -65,8 +65,14 @@ def test_auto_mode_leaves_text_free_until_a_call_opens(tokenizer):
     ("llama3", '{"name": "get_weather", "parameters": {"city": "Paris"}}'),
     ("granite", '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}]'),
     ("command-r", '<|START_ACTION|>[{"tool_name": "get_weather", "parameters": {"city": "Paris"}}]<|END_ACTION|>'),
+    ("command-r-plus", 'Action:\n```json\n[{"tool_name": "get_weather", "parameters": {"city": "Paris"}}]\n```'),
+    ("qwen3-coder", "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>"),
+    ("deepseek-v3", "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
+                    '{"city": "Paris"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>'),
+    ("deepseek", '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>'),
+    ("harmony", '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>'),
 ])
-def test_each_json_family_forces_its_own_syntax(tokenizer, name, text):
+def test_each_family_forces_its_own_syntax(tokenizer, name, text):
     grammar = forced_call_grammar(family(name), [WEATHER], parallel=False)
     assert accepts(tokenizer, grammar, text)
     parser = family(name)([WEATHER])
@@ -79,8 +85,34 @@ def test_auto_mode_is_unconstrained_where_the_prefix_is_a_control_token():
     assert lazy_call_grammar(family("llama3"), [WEATHER], parallel=True) is None  # no prefix to wait for
 
 
-def test_a_family_without_a_call_grammar_cannot_be_forced():
-    from corral.toolcalls import ToolCallError
+@pytest.mark.parametrize("name, good, bad", [
+    ("qwen3-coder", "<tool_call>\n<function=get_weather>\n<parameter=city>\nSão Paulo\n</parameter>\n<parameter=days>\n3\n</parameter>\n"
+     "</function>\n</tool_call>", "<tool_call>\n<function=get_weather>\n<parameter=days>\nthree\n</parameter>"),
+    ("deepseek", '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Rome", "days": 3}<｜tool▁call▁end｜>',
+     '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"town": "Rome"'),
+    ("harmony", '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Rome", "days": 3}',
+     '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"days": "3"'),
+])
+def test_a_forced_call_of_the_other_families_holds_its_arguments_to_the_schema(tokenizer, name, good, bad):
+    grammar = forced_call_grammar(family(name), [WEATHER], parallel=False)
+    assert accepts(tokenizer, grammar, good)
+    assert not accepts(tokenizer, grammar, bad)
+    assert not accepts(tokenizer, grammar, "Sure, let me")
 
-    with pytest.raises(ToolCallError, match="not supported for the qwen3-coder"):
-        forced_call_grammar(family("qwen3-coder"), [WEATHER], parallel=False)
+
+def test_qwen3_coder_parallel_calls_and_auto_mode(tokenizer):
+    one = "<tool_call>\n<function=get_weather>\n<parameter=city>\nLima\n</parameter>\n</function>\n</tool_call>"
+    assert accepts(tokenizer, forced_call_grammar(family("qwen3-coder"), [WEATHER], parallel=True), one + "\n" + one)
+    lazy = lazy_call_grammar(family("qwen3-coder"), [WEATHER], parallel=True)
+    assert accepts(tokenizer, lazy, "Let me check.\n" + one)
+    assert not accepts(tokenizer, lazy, "Let me check.\n<tool_call>\n<function=rm_rf>")
+
+
+def test_a_family_without_a_call_grammar_cannot_be_forced():
+    from corral.toolcalls import ToolCallError, ToolCallParser
+
+    class Plain(ToolCallParser):
+        family = "plain"
+
+    with pytest.raises(ToolCallError, match="not supported for the plain"):
+        forced_call_grammar(Plain, [WEATHER], parallel=False)

@@ -116,3 +116,26 @@ def test_harmony_analysis_is_thinking_not_content():
     for at in range(len(text) + 1):
         parsed = parse_split("harmony", text, at)
         assert (parsed.thinking, parsed.content, parsed.calls) == ("Think first.", "Done.", ()), at
+
+
+@pytest.mark.parametrize("family, text", [
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>'),
+    ("llama3", '{"name": "get_weather", "parameters": {"city": "Paris", "days": 2}}'),
+    ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}]'),
+    ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": 2}'),
+    ("harmony", '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris", "days": 2}<|call|>'),
+])
+def test_the_call_being_written_grows_into_the_finished_call(family, text):
+    """`pending` names the call once its name is written and its arguments' text only grows, ending as the call's text."""
+    parser = families()[family]([WEATHER])
+    seen, done = [], []
+    for char in text:
+        done += parser.feed(char).calls
+        if not done and parser.pending() is not None:
+            seen.append(parser.pending())
+    done += parser.finish().calls
+    (call,) = done
+    assert {p.name for p in seen} == {"get_weather"}
+    texts = [p.arguments for p in seen]
+    assert all(call.arguments_json().startswith(t) for t in texts) and len(set(texts)) > 10
+    assert call.arguments_json() == '{"city": "Paris", "days": 2}'

@@ -161,8 +161,11 @@ class Runner(Protocol):
         logprobs: bool = False,
         top_logprobs: int = 0,
         format: str | dict | None = None,
+        images: Sequence[bytes] = (),
+        think: bool | str | None = None,
     ) -> contextlib.AbstractAsyncContextManager[Stream]:
-        """Stream the completion of `prompt` (in the chat template as a user turn unless `raw`)."""
+        """Stream the completion of `prompt` (in the chat template as a user turn unless `raw`; `images`: image
+        files' bytes, for a model with a vision projector; `think` sets the template's thinking switch, None its default)."""
 
     def chat(
         self,

@@ -264,10 +264,11 @@ class RunnerProcess:
         top_logprobs: int = 0,
         format: str | dict | None = None,
         images: Sequence[bytes] = (),
+        think: bool | str | None = None,
     ) -> contextlib.AbstractAsyncContextManager[Stream]:
         """Stream the completion of `prompt`, as `Runtime.generate` does."""
         args = dict(prompt=prompt, options=options, raw=raw, system=system, context=context, shift=shift,
-                    logprobs=logprobs, top_logprobs=top_logprobs, format=format, images=images_to_json(images))
+                    logprobs=logprobs, top_logprobs=top_logprobs, format=format, images=images_to_json(images), think=think)
         return self._stream("generate", args)
 
     def chat(

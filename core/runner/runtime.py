@@ -268,10 +268,12 @@ class Runtime:
         top_logprobs: int = 0,
         format: str | dict | None = None,
         images: tuple[bytes, ...] | list[bytes] = (),
+        think: bool | str | None = None,
     ) -> contextlib.AbstractAsyncContextManager[Stream]:
         """Stream the completion of `prompt` (wrapped in the chat template as a user turn unless `raw`).
 
-        `format` ("json" or a JSON-schema object) constrains the output to one such JSON value.
+        `format` ("json" or a JSON-schema object) constrains the output to one such JSON value; `think` (true/false or
+        an effort level; None: the template's default) sets the template's thinking switch.
         `images` (image files' bytes) go where the prompt's `[img-N]` tags say, or before its text.
         """
         opts = self.parse_options(options)
@@ -279,7 +281,7 @@ class Runtime:
 
         def prompt_ids() -> tuple[list[int], list[DecodedImage]]:
             decoded = self._decode_images(images)
-            return self.model.prompt_ids(prompt, raw=raw, system=system, context=context or (), images=decoded), decoded
+            return self.model.prompt_ids(prompt, raw=raw, system=system, context=context or (), images=decoded, think=think), decoded
 
         return self._stream(prompt_ids, opts, shift, logprobs, top_logprobs, grammar)
 

@@ -24,7 +24,9 @@ from corral.server.http import ApiError
 from corral.server.state import model_template_source, state
 from corral.template import ChatTemplate
 from corral.thinking import OPEN, ThinkingParser, can_think
-from corral.toolcalls import Parsed, ToolCall, ToolCallError, ToolCallParser, ToolChoice, forced_call_grammar, lazy_call_grammar, parser_class_for
+from corral.toolcalls import (
+    Parsed, PendingCall, ToolCall, ToolCallError, ToolCallParser, ToolChoice, forced_call_grammar, lazy_call_grammar, parser_class_for,
+)
 
 
 @attrs.frozen
@@ -81,6 +83,7 @@ class ChatChunk(Chunk):
 
     tool_calls: tuple[ToolCall, ...] = ()
     thinking: str = ""
+    pending_call: PendingCall | None = None  # the call being written after this chunk (OpenAI streams its fragments)
 
 
 @attrs.frozen
@@ -186,7 +189,7 @@ class ReplyParser:
         second = self.tools.feed(first.content)
         if final:
             second += self.tools.finish()
-        return Parsed(second.content, second.calls, first.thinking + second.thinking)
+        return Parsed(second.content, second.calls, first.thinking + second.thinking, self.tools.pending())
 
 
 def reply_parser(tools: ToolPlan | None, think: ThinkPlan | None) -> ReplyParser | None:
@@ -198,8 +201,10 @@ def reply_parser(tools: ToolPlan | None, think: ThinkPlan | None) -> ReplyParser
     return ReplyParser(tool_parser, thinking) if tool_parser or thinking else None
 
 
-async def parsed_chunks(items: AsyncIterator[Chunk], parser: ReplyParser | None) -> AsyncIterator[Chunk]:
-    """`items` with their text split into thinking, content and tool calls (ChatChunks); unchanged without a parser."""
+async def parsed_chunks(items: AsyncIterator[Chunk], parser: ReplyParser | None, pending: bool = False) -> AsyncIterator[Chunk]:
+    """`items` with their text split into thinking, content and tool calls (ChatChunks); unchanged without a parser.
+    With `pending`, a chunk also comes whenever the call being written grows (its argument fragments)."""
+    last = None
     async for chunk in items:
         if parser is None:
             yield chunk
@@ -209,15 +214,17 @@ async def parsed_chunks(items: AsyncIterator[Chunk], parser: ReplyParser | None)
             if parsed.content or parsed.calls or parsed.thinking:
                 yield ChatChunk(text=parsed.content, tool_calls=parsed.calls, thinking=parsed.thinking)
             yield ChatChunk(**{**attrs.asdict(chunk, recurse=False), "text": ""})
-        elif parsed.content or parsed.calls or parsed.thinking or chunk.logprobs:
-            fields = {"text": parsed.content, "tool_calls": parsed.calls, "thinking": parsed.thinking}
+        elif parsed.content or parsed.calls or parsed.thinking or chunk.logprobs or pending and parsed.pending != last:
+            fields = {"text": parsed.content, "tool_calls": parsed.calls, "thinking": parsed.thinking, "pending_call": parsed.pending}
             yield ChatChunk(**{**attrs.asdict(chunk, recurse=False), **fields})
+        last = parsed.pending
 
 
 @contextlib.asynccontextmanager
-async def parsed_stream(stream_cm: contextlib.AbstractAsyncContextManager, parser: ReplyParser | None):
-    """A runtime stream (the context manager `Runner.chat` returns) with thinking and tool calls parsed out."""
+async def parsed_stream(stream_cm: contextlib.AbstractAsyncContextManager, parser: ReplyParser | None, pending: bool = False):
+    """A runtime stream (the context manager `Runner.chat` returns) with thinking and tool calls parsed out (and, with
+    `pending`, the call being written reported as it grows)."""
     async with stream_cm as stream:
-        parsed = parsed_chunks(stream, parser)
+        parsed = parsed_chunks(stream, parser, pending)
         async with contextlib.aclosing(parsed):
             yield parsed

@@ -18,7 +18,7 @@ from corral.server.refusals import decode_base64_images, refuse_fields, refuse_i
 from corral.server.state import state
 from corral.gotemplate import OllamaTemplate
 from corral.template import ChatTemplate, renders_suffix
-from corral.thinking import parse_think
+from corral.thinking import OPEN, parse_think
 from corral.toolcalls import ToolChoice, parse_tools
 
 bp = quart.Blueprint("ollama", __name__)
@@ -170,8 +170,7 @@ async def generate():
         raise ApiError(400, "raw mode does not support template, system, or context")
     template = field(body, "template", str, None)
     suffix = field(body, "suffix", str, "")
-    if parse_think(body.get("think")):
-        raise ApiError(400, "think is supported on /api/chat; /api/generate does not split thinking yet")
+    think = parse_think(body.get("think"))
     images = decode_base64_images(field(body, "images", list, []))
     state().scheduler.resolve(req["model"])
     if images:
@@ -183,16 +182,24 @@ async def generate():
     if templated:
         # As Ollama: a request's template or a suffix renders the prompt here, which then goes to the model raw.
         prompt = await _templated_prompt(req["model"], template, prompt, suffix, system, context)
+    # As Ollama: `think` sets the template's switch and splits the reply's thinking out (400 for a model that cannot think).
+    thinking = await trio.to_thread.run_sync(generation.plan_thinking, req["model"], think, False) if think is not None else None
+    if thinking is not None and thinking.split and (raw or templated):
+        thinking = generation.ThinkPlan(True, prompt.rstrip().endswith(OPEN))  # the prompt as sent, not the model's template
 
     def start(run: generation.Prepared):
-        return run.runtime.generate(
+        stream = run.runtime.generate(
             prompt, run.options, raw=raw or templated, system=None if templated else system or (None if raw else run.defaults.system),
             context=context, shift=req["shift"], logprobs=req["logprobs"], top_logprobs=req["top_logprobs"], format=req["format"],
             **({"images": images} if images else {}),
+            **({} if think is None else {"think": think}),
         )  # fmt: skip
+        return generation.parsed_stream(stream, generation.reply_parser(None, thinking))
 
     def chunk_obj(chunk: Chunk) -> dict:
         out = {"model": req["model"], "created_at": now_rfc3339(), "response": chunk.text, "done": False}
+        if getattr(chunk, "thinking", ""):
+            out["thinking"] = chunk.thinking
         return out | ({"logprobs": _logprobs(chunk)} if chunk.logprobs else {})
 
     def final_obj(chunk: Chunk) -> dict:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import secrets
 import time
@@ -31,6 +32,7 @@ from corral.store import parse_name
 from corral.toolcalls import parse_tool_choice, parse_tools
 
 bp = quart.Blueprint("openai", __name__)
+log = logging.getLogger(__name__)
 
 FINGERPRINT = "fp_corral"
 MAX_TOP_LOGPROBS = 20
@@ -334,7 +336,7 @@ async def chat_completions():
             top_logprobs=req.top_logprobs, format=response_format if response_format is not None or plan is None else plan.format,
             **({} if think is None else {"think": think}),
         )
-        return generation.parsed_stream(stream, generation.reply_parser(plan, thinking))
+        return generation.parsed_stream(stream, generation.reply_parser(plan, thinking), pending=req.stream)
 
     chunks = await _started(req, start)
     reply = {"id": f"chatcmpl-{secrets.token_hex(12)}", "created": int(time.time()), "model": req.model, "system_fingerprint": FINGERPRINT}
@@ -362,17 +364,55 @@ async def chat_completions():
     return {**reply, "object": "chat.completion", "choices": [choice], "usage": _usage(final)}
 
 
-def _tool_call_deltas(call, index: int) -> list[dict]:
-    """A completed call as vLLM streams one: its index, id, type and name first, then the arguments."""
-    shaped = call.openai(index)
-    head = {**shaped, "function": {"name": shaped["function"]["name"], "arguments": ""}}
-    return [{"tool_calls": [head]}, {"tool_calls": [{"index": index, "function": {"arguments": shaped["function"]["arguments"]}}]}]
+class _ToolCallDeltas:
+    """A turn's tool calls as vLLM streams them: for each call its index, id, type and name first (as soon as the
+    name is written), then its arguments in fragments as they are generated; `parallel` false keeps the first."""
+
+    def __init__(self, parallel: bool):
+        self.parallel = parallel
+        self.count = 0  # calls begun
+        self.sent = ""  # the begun call's arguments sent so far
+        self.open = False  # a call is begun and not yet complete
+
+    def deltas(self, chunk: Chunk) -> list[dict]:
+        """The deltas `chunk` adds: the rest of each call it completes, then the head and new text of the one being written."""
+        out = []
+        for call in getattr(chunk, "tool_calls", ()):
+            if self.open:
+                out += self._fragment(call.arguments_json())
+                self.open = False
+            elif self._may_begin():
+                out += [self._head(call.name), *self._fragment(call.arguments_json())]
+                self.open = False
+        pending = getattr(chunk, "pending_call", None)
+        if pending is not None and (self.open or self._may_begin()):
+            if not self.open:
+                out.append(self._head(pending.name))
+            out += self._fragment(pending.arguments)
+        return out
+
+    def _may_begin(self) -> bool:
+        return self.parallel or self.count == 0
+
+    def _head(self, name: str) -> dict:
+        self.count += 1
+        self.sent, self.open = "", True
+        head = {"index": self.count - 1, "id": f"call_{secrets.token_hex(12)}", "type": "function", "function": {"name": name, "arguments": ""}}
+        return {"tool_calls": [head]}
+
+    def _fragment(self, arguments: str) -> list[dict]:
+        if not arguments.startswith(self.sent):
+            # The finished call's text is the text written, so this does not happen; the client would see two texts.
+            log.warning("tool call arguments %r do not continue the fragments sent (%r)", arguments, self.sent)
+            return []
+        new, self.sent = arguments[len(self.sent) :], arguments
+        return [{"tool_calls": [{"index": self.count - 1, "function": {"arguments": new}}]}] if new else []
 
 
 async def _chat_events(req: Completion, reply: dict, chunks: AsyncIterator[Chunk], parallel: bool = True) -> AsyncIterator[dict]:
     base = {**reply, "object": "chat.completion.chunk"}
     usage = {"usage": None} if req.include_usage else {}
-    calls = 0
+    calls = _ToolCallDeltas(parallel)
 
     def event(delta: dict, finish_reason: str | None = None, logprobs: dict | None = None) -> dict:
         return {**base, "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}], **usage}
@@ -381,7 +421,7 @@ async def _chat_events(req: Completion, reply: dict, chunks: AsyncIterator[Chunk
         yield event({"role": "assistant", "content": ""})
         async for chunk in chunks:
             if chunk.done:
-                yield event({}, "tool_calls" if calls else _finish_reason(chunk))
+                yield event({}, "tool_calls" if calls.count else _finish_reason(chunk))
                 if req.include_usage:
                     yield {**base, "choices": [], "usage": _usage(chunk)}
                 continue
@@ -390,12 +430,8 @@ async def _chat_events(req: Completion, reply: dict, chunks: AsyncIterator[Chunk
             if chunk.text or (req.logprobs and chunk.logprobs):
                 logprobs = {"content": _chat_logprobs(chunk.logprobs), "refusal": None} if req.logprobs else None
                 yield event({"content": chunk.text}, logprobs=logprobs)
-            for call in getattr(chunk, "tool_calls", ()):
-                if calls and not parallel:
-                    break
-                for delta in _tool_call_deltas(call, calls):
-                    yield event(delta)
-                calls += 1
+            for delta in calls.deltas(chunk):
+                yield event(delta)
 
 
 # --- /v1/completions ------------------------------------------------------------------------------

@@ -118,7 +118,7 @@ SCHEMAS: dict[str, dict] = {
         description="An empty prompt loads the model (or unloads it with keep_alive 0).",
     ),
     "GenerateResponse": _object(
-        {"model": _STR, "created_at": _TIME, "response": _STR, "done": _BOOL, "context": _array(_INT),
+        {"model": _STR, "created_at": _TIME, "response": _STR, "thinking": _STR, "done": _BOOL, "context": _array(_INT),
          "logprobs": _array(_ref("TokenLogprob"))} | _TIMINGS,
         ("model", "created_at", "response", "done"),
         description="One NDJSON line when streaming; the last one has done=true and the timings.",

@@ -33,10 +33,6 @@ class CommandRPlusToolCallParser(JsonToolCallParser):
     def recognises(cls, sample: str) -> bool:
         return re.search(r"Action:\s*```json", sample) is not None
 
-    @classmethod
-    def call_grammar(cls, tools, parallel, lazy=False):
-        return None  # the fenced block is not expressed as a grammar yet
-
     def take_calls(self, text: str, final: bool):
         stripped = text.lstrip()
         if not final and self.fence.startswith(stripped):

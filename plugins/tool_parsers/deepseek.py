@@ -5,8 +5,9 @@
 import json
 import re
 
+from corral.grammar import JSON_OPTIONS
 from corral.hookspecs import hookimpl
-from corral.toolcalls import ToolCall, ToolCallParser
+from corral.toolcalls import ToolCall, ToolCallParser, calls_grammar
 
 CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 CALL_BEGIN, CALL_END, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
@@ -14,12 +15,35 @@ _FENCED = re.compile(r"^\s*function\s*$")
 
 
 class DeepSeekToolCallParser(ToolCallParser):
+    """V3.1 and later (and any DeepSeek template not writing V3's fenced form)."""
+
     family = "deepseek"
     prefix = CALLS_BEGIN
 
     @classmethod
     def recognises(cls, sample: str) -> bool:
         return CALLS_BEGIN in sample or CALL_BEGIN in sample
+
+    @classmethod
+    def call_grammar(cls, tools: list[dict], parallel: bool, lazy: bool = False) -> str | None:
+        """Calls to `tools` between the calls markers, each call's arguments valid for its schema."""
+        if lazy:
+            return None  # the markers are control tokens, no text free text could reach
+        rules, calls = [], []
+        for i, tool in enumerate(tools):
+            function = tool["function"]
+            schema = {**(function.get("parameters") or {"type": "object"}), "x-guidance": JSON_OPTIONS}
+            rules.append(f"a{i}: %json {json.dumps(schema)}")
+            head, tail = cls.call_text(function["name"])
+            rules.append(f"c{i}: {json.dumps(head)} a{i} {json.dumps(tail)}")
+            calls.append(f"c{i}")
+        call = f"({' | '.join(calls)})"
+        return calls_grammar(cls.prefix, f"{call}{'+' if parallel else ''} {json.dumps(CALLS_END)}", rules, parallel=False)
+
+    @staticmethod
+    def call_text(name: str) -> tuple[str, str]:
+        """The text of one call before and after its arguments."""
+        return f"{CALL_BEGIN}{name}{SEP}", CALL_END
 
     def take_calls(self, text: str, final: bool):
         end = text.find(CALLS_END)
@@ -48,6 +72,21 @@ class DeepSeekToolCallParser(ToolCallParser):
         return ToolCall(name.strip(), arguments) if isinstance(arguments, dict) else None
 
 
+class DeepSeekV3ToolCallParser(DeepSeekToolCallParser):
+    """V3 and R1: `function<｜tool▁sep｜>NAME` and the arguments in a fenced JSON block."""
+
+    priority = 1  # asked before the general class, whose recognises() also matches this syntax
+
+    @classmethod
+    def recognises(cls, sample: str) -> bool:
+        return f"{CALL_BEGIN}function{SEP}" in sample
+
+    @staticmethod
+    def call_text(name: str) -> tuple[str, str]:
+        return f"{CALL_BEGIN}function{SEP}{name}\n```json\n", f"\n```{CALL_END}"
+
+
 @hookimpl
 def register_tool_parsers(register):
+    register("deepseek-v3", DeepSeekV3ToolCallParser)
     register("deepseek", DeepSeekToolCallParser)

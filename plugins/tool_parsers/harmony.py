@@ -6,8 +6,9 @@ and a call as `<|start|>assistant<|channel|>commentary to=functions.NAME <|const
 import json
 import re
 
+from corral.grammar import JSON_OPTIONS
 from corral.hookspecs import hookimpl
-from corral.toolcalls import Parsed, ToolCall, ToolCallParser
+from corral.toolcalls import Parsed, PendingCall, ToolCall, ToolCallParser, calls_grammar
 
 MESSAGE = "<|message|>"
 ENDS = ("<|end|>", "<|call|>", "<|return|>")
@@ -29,6 +30,21 @@ class HarmonyToolCallParser(ToolCallParser):
     @classmethod
     def recognises(cls, sample: str) -> bool:
         return "<|channel|>" in sample and "to=functions." in sample
+
+    @classmethod
+    def call_grammar(cls, tools: list[dict], parallel: bool, lazy: bool = False) -> str | None:
+        """Calls to `tools` as commentary messages to `functions.NAME`, each ending in <|call|>; several calls are
+        several assistant messages."""
+        if lazy:
+            return None  # the headers are control tokens, which free text cannot reach
+        rules, calls = [], []
+        for i, tool in enumerate(tools):
+            function = tool["function"]
+            schema = {**(function.get("parameters") or {"type": "object"}), "x-guidance": JSON_OPTIONS}
+            head = f"<|channel|>commentary to=functions.{function['name']} <|constrain|>json{MESSAGE}"
+            rules += [f"a{i}: %json {json.dumps(schema)}", f"c{i}: {json.dumps(head)} a{i} \"<|call|>\""]
+            calls.append(f"c{i}")
+        return calls_grammar("", f"({' | '.join(calls)})", rules, parallel, separator='"<|start|>assistant"')
 
     def feed(self, text: str) -> Parsed:
         self._buffer += text
@@ -72,6 +88,11 @@ class HarmonyToolCallParser(ToolCallParser):
             out += self._emit("", done=True)
         return out
 
+    def pending(self) -> PendingCall | None:
+        if self._header is None and self._recipient is not None:
+            return PendingCall(self._recipient, self._body)
+        return None
+
     def _emit(self, text: str, done: bool) -> Parsed:
         if self._recipient is None:
             return Parsed(thinking=text) if self._channel == "analysis" else Parsed(text)
@@ -83,7 +104,9 @@ class HarmonyToolCallParser(ToolCallParser):
             arguments = json.loads(body) if body.strip() else {}
         except json.JSONDecodeError:
             return Parsed(body)
-        return Parsed(calls=(ToolCall(name, arguments),)) if isinstance(arguments, dict) else Parsed(body)
+        if not isinstance(arguments, dict):
+            return Parsed(body)
+        return Parsed(calls=(ToolCall(name, arguments, arguments_text=body if body.strip() else None),))
 
 
 @hookimpl

@@ -2,7 +2,7 @@
 `[TOOL_CALLS]name[ARGS]{...}` per call (the 2025 templates: Mistral Small 3.2, Devstral, Ministral 3)."""
 
 from corral.hookspecs import hookimpl
-from corral.toolcalls import JsonToolCallParser, ToolCall, _json_value
+from corral.toolcalls import JsonToolCallParser, PendingCall, ToolCall, _json_value, written_call
 
 
 class MistralToolCallParser(JsonToolCallParser):
@@ -26,7 +26,16 @@ class MistralToolCallParser(JsonToolCallParser):
         arguments, end = decoded
         if end < 0 or not isinstance(arguments, dict):
             return [], 0
-        return [ToolCall(name.strip(), arguments)], len(name) + len(sep) + end
+        return [ToolCall(name.strip(), arguments, arguments_text=rest[:end].strip())], len(name) + len(sep) + end
+
+    def pending(self) -> PendingCall | None:
+        if not self._in_call or self._buffer.lstrip()[:1] in ("[", "{"):
+            return super().pending()
+        name, sep, rest = self._buffer.partition("[ARGS]")
+        if not sep:
+            return None
+        written = written_call('{"name": "", "arguments": ' + rest.lstrip())  # the same cut as a JSON call's arguments
+        return PendingCall(name.strip(), written.arguments) if written is not None else None
 
 
 @hookimpl

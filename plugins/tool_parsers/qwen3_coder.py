@@ -7,7 +7,8 @@ import json
 import re
 
 from corral.hookspecs import hookimpl
-from corral.toolcalls import ToolCall, ToolCallParser
+from corral.grammar import JSON_OPTIONS
+from corral.toolcalls import ToolCall, ToolCallParser, calls_grammar
 
 _FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*?)</function>\s*(?:</tool_call>)?", re.S)
 _PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
@@ -16,6 +17,27 @@ _PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
 class Qwen3CoderToolCallParser(ToolCallParser):
     family = "qwen3-coder"
     prefix = "<tool_call>"
+    prefix_is_text = True  # Qwen's <tool_call> is a user-defined token: its text
+
+    @classmethod
+    def call_grammar(cls, tools: list[dict], parallel: bool, lazy: bool = False) -> str:
+        """Calls to `tools` in the XML the template writes: each parameter of the schema in its order (the required
+        ones always), a string's value as text, any other value as JSON valid for the parameter's schema."""
+        rules, functions = [], []
+        for i, tool in enumerate(tools):
+            function = tool["function"]
+            parameters = function.get("parameters") or {}
+            required = set(parameters.get("required", ()))
+            items = []
+            for j, (key, schema) in enumerate((parameters.get("properties") or {}).items()):
+                opening = json.dumps(f"<parameter={key}>\n")
+                rules.append(f"p{i}_{j}: {opening} {_value(schema, f'v{i}_{j}', rules)} NL")
+                items.append(f"p{i}_{j}" if key in required else f"p{i}_{j}?")
+            opening = json.dumps(f"<function={function['name']}>\n")
+            rules.append(f"f{i}: {opening} {' '.join(items)} \"</function>\"")
+            functions.append(f"f{i}")
+        body = f"NL ({' | '.join(functions)}) NL \"</tool_call>\""
+        return calls_grammar(cls.prefix, body, rules, parallel, lazy)
 
     @classmethod
     def recognises(cls, sample: str) -> bool:
@@ -47,6 +69,21 @@ class Qwen3CoderToolCallParser(ToolCallParser):
             if tool.get("function", {}).get("name") == function:
                 return tool["function"].get("parameters", {}).get("properties", {}).get(parameter, {}).get("type")
         return None
+
+
+_VALUE_END = "\n</parameter>"
+
+
+def _value(schema: dict, name: str, rules: list[str]) -> str:
+    """The grammar of one parameter's value and the closing tag (a rule named `name` added to `rules` if needed)."""
+    if schema.get("type") == "string" and "enum" in schema:
+        return "(" + " | ".join(json.dumps(f"{option}{_VALUE_END}") for option in schema["enum"] if isinstance(option, str)) + ")"
+    if schema.get("type") == "string":
+        # Any text up to the first closing tag, and the tag, as one lexeme (the lexer never guesses where text ends).
+        rules.append(f"{name.upper()}: /(?s:.*)\\n<\\/parameter>/ & ~/(?s:.*<\\/parameter>.+)/")
+        return name.upper()
+    rules.append(f"{name}: %json {json.dumps({**schema, 'x-guidance': JSON_OPTIONS})}")
+    return f"{name} {json.dumps(_VALUE_END)}"
 
 
 @hookimpl
