@@ -157,6 +157,8 @@ def _executor() -> llguidance.LLExecutor:
 
 @functools.cache
 def _bit_shifts(device: torch.device) -> torch.Tensor:
+    import torch
+
     return torch.arange(32, dtype=torch.int32, device=device)
 
 

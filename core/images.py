@@ -14,16 +14,20 @@ import warnings
 
 import attrs
 import numpy as np
-from PIL import Image, UnidentifiedImageError
+from typing import TYPE_CHECKING
 
 from corral.errors import CorralError
+
+# Pillow loads when an image is decoded, not with this module: the server imports it and stays small.
+if TYPE_CHECKING:
+    from PIL import Image
 
 # The most pixels an image may have before it is decoded (Pillow's own bomb check warns at 89 M and
 # refuses at twice that; a 24 MP photo passes, a 100 MP one does not).
 MAX_PIXELS = 50_000_000
 
 MAX_IMAGE_BYTES = 64 << 20  # an image file fetched or decoded from a request: 64 MiB
-RESAMPLE = {"bilinear": Image.Resampling.BILINEAR, "bicubic": Image.Resampling.BICUBIC, "nearest": Image.Resampling.NEAREST}
+RESAMPLE = {"bilinear": "BILINEAR", "bicubic": "BICUBIC", "nearest": "NEAREST"}  # names of PIL.Image.Resampling
 
 
 class ImageError(CorralError):
@@ -51,6 +55,8 @@ class DecodedImage:
 def decode(data: bytes, max_pixels: int = MAX_PIXELS) -> DecodedImage:
     """Read an image from its file bytes (PNG, JPEG, WebP, GIF's first frame, ...); ImageError if it is
     not one or it has more than `max_pixels` pixels (checked from the header, before decoding)."""
+    from PIL import Image, UnidentifiedImageError
+
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
@@ -67,6 +73,8 @@ def decode(data: bytes, max_pixels: int = MAX_PIXELS) -> DecodedImage:
 
 
 def _reason(exc: Exception) -> str:
+    from PIL import UnidentifiedImageError
+
     if isinstance(exc, UnidentifiedImageError):
         return "no image format recognises the data"
     return "too many pixels"
@@ -76,6 +84,8 @@ def to_rgb(image: Image.Image) -> Image.Image:
     """The image as RGB; a transparent one composited onto white first (what HF's `convert_rgb` does)."""
     if image.mode == "RGB":
         return image
+    from PIL import Image
+
     rgba = image.convert("RGBA")
     background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
     return Image.alpha_composite(background, rgba).convert("RGB")
@@ -83,7 +93,9 @@ def to_rgb(image: Image.Image) -> Image.Image:
 
 def preprocess(image: Image.Image, spec: ImageSpec) -> np.ndarray:
     """float32 [3, size, size]: RGB, resized to the square, scaled by 1/255, normalised (Gemma 3's processor, SigLIP's)."""
-    resized = to_rgb(image).resize((spec.size, spec.size), resample=RESAMPLE[spec.resample])
+    from PIL import Image
+
+    resized = to_rgb(image).resize((spec.size, spec.size), resample=getattr(Image.Resampling, RESAMPLE[spec.resample]))
     # In float64 and then float32, as transformers' rescale and normalize compute it: equal to its pixels.
     pixels = (np.asarray(resized, dtype=np.float64) * (1 / 255)).astype(np.float32)
     pixels = (pixels - np.asarray(spec.mean, dtype=np.float32)) / np.asarray(spec.std, dtype=np.float32)

@@ -49,7 +49,7 @@ def test_preprocessing_gives_the_hf_processors_pixels_exactly(name, processor_cl
     processor = getattr(transformers, processor_class)(size={"height": size, "width": size})
     image = decode(png(IMAGES[name])).image
     expected = processor(images=[image], return_tensors="np")["pixel_values"][0]
-    resample = {filter: name for name, filter in RESAMPLE.items()}[Image.Resampling(processor.resample)]  # SigLIP's is bicubic
+    resample = {filter: name for name, filter in RESAMPLE.items()}[Image.Resampling(processor.resample).name]  # SigLIP's is bicubic
     spec = ImageSpec(size, tuple(processor.image_mean), tuple(processor.image_std), resample)
     np.testing.assert_array_equal(preprocess(image, spec), expected)
 

@@ -12,7 +12,6 @@ import os
 import re
 
 
-import httpx
 
 from corral.images import MAX_IMAGE_BYTES
 from corral.server.http import ApiError
@@ -58,6 +57,8 @@ async def _image_bytes(url: str) -> bytes:
 
 async def _fetch(url: str) -> bytes:
     """GET `url`, at most MAX_IMAGE_BYTES and FETCH_TIMEOUT seconds."""
+    import httpx  # here: only a server that fetches image URLs needs an HTTP client
+
     try:
         async with httpx.AsyncClient(timeout=FETCH_TIMEOUT, follow_redirects=True) as client:
             async with client.stream("GET", url) as response:
