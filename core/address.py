@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
 
 DEFAULT_HOST = "127.0.0.1"
@@ -19,3 +20,14 @@ def address_from_env() -> tuple[str, str, int]:
     if sep and tail.isdigit() and (head.startswith("[") or ":" not in head):
         host, port = head, int(tail)
     return scheme, host.strip("[]") or DEFAULT_HOST, port
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether a host name or address (IPv6 in brackets or not) reaches only this machine."""
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

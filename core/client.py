@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import ipaddress
 import json
 import os
 import pathlib
@@ -22,7 +21,7 @@ from typing import Any
 
 import httpx
 
-from corral.address import DEFAULT_HOST, address_from_env
+from corral.address import DEFAULT_HOST, address_from_env, is_loopback_host
 from corral.errors import CorralError
 
 CONNECT_TIMEOUT = 5.0
@@ -55,13 +54,7 @@ def base_url_from_env() -> str:
 
 
 def _is_loopback(url: str) -> bool:
-    host = httpx.URL(url).host
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+    return is_loopback_host(httpx.URL(url).host)
 
 
 class Client:

@@ -17,7 +17,6 @@ cap and no further.
 from __future__ import annotations
 
 import contextlib
-import ipaddress
 import json
 import logging
 import re
@@ -26,6 +25,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 import httpx
 
+from corral.address import is_loopback_host
 from corral.distribution.errors import RegistryAuthError, RegistryError, RegistryUnreachableError, UntrustedContentError
 
 log = logging.getLogger(__name__)
@@ -265,10 +265,5 @@ def _describe(error: httpx.RequestError) -> str:
 
 
 def _is_loopback(host: str) -> bool:
-    name = host.rsplit(":", 1)[0] if host.count(":") == 1 else host
-    if name == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(name.strip("[]")).is_loopback
-    except ValueError:
-        return False
+    """`host` as a registry names it: a name or address, with a port or not."""
+    return is_loopback_host(host.rsplit(":", 1)[0] if host.count(":") == 1 else host)

@@ -22,6 +22,8 @@ import socket
 
 import attrs
 
+from corral.address import is_loopback_host
+
 API_KEY_ENV = "CORRAL_API_KEY"
 ORIGINS_ENVS = ("CORRAL_ORIGINS", "OLLAMA_ORIGINS")
 
@@ -47,13 +49,7 @@ class Refusal(Exception):
 
 def is_loopback_bind(host: str) -> bool:
     """Whether a bind address is reachable only from this machine."""
-    host = host.strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+    return is_loopback_host(host)
 
 
 def exposure_warning(host: str, api_key: str | None) -> str | None:
