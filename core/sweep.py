@@ -138,13 +138,11 @@ def run_sweep(targets: Sequence[Target], levels: Sequence[int], prompt_tokens: i
 
 def plot_sweep(points: Sequence[SweepPoint], path: str, title: str) -> None:
     """Throughput and p50/p99 latency against concurrency, one line per server, as an image at `path`."""
-    try:
-        import matplotlib
+    import matplotlib  # here: a dependency, but only a plot needs it loaded
 
-        matplotlib.use("Agg")  # no display: write files only
-        from matplotlib import pyplot
-    except ImportError:
-        raise CorralError("--plot needs matplotlib: pip install 'corral[plot]'") from None
+    matplotlib.use("Agg")  # no display: write files only
+    from matplotlib import pyplot
+
     figure, (throughput, latency) = pyplot.subplots(1, 2, figsize=(11, 4.2), layout="constrained")
     for server in dict.fromkeys(point.server for point in points):
         mine = [point for point in points if point.server == server]
