@@ -21,7 +21,7 @@ import time
 import httpx
 import trio
 
-from llama_cpp_tools import free_port, wait_until_up
+from llama_cpp_tools import free_port, stop, wait_until_up
 
 TEXT = (
     "The history of astronomy spans thousands of years, from the first people who tracked the moon "
@@ -62,13 +62,7 @@ class CorralServer:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop(self.process, 30)
 
 
 def corral_request(model: str, prompt: str, gen_tokens: int) -> tuple[str, dict]:

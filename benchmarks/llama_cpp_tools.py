@@ -92,6 +92,17 @@ def wait_until_up(url: str, process: subprocess.Popen, seconds: float = 300) -> 
     raise RuntimeError(f"no answer from {url} within {seconds:.0f} s")
 
 
+def stop(process: subprocess.Popen | None, seconds: float) -> None:
+    """SIGTERM a server started here, SIGKILL it after `seconds`, and reap it."""
+    if process is not None and process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=seconds)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
 class LlamaServer:
     """`llama-server -m PATH -np SLOTS -c SLOTS*CTX` on a free loopback port (`base_url`) inside a `with` block."""
 
@@ -115,10 +126,4 @@ class LlamaServer:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop(self.process, 20)
