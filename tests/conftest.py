@@ -13,6 +13,7 @@ import json
 import os
 import pathlib
 import shutil
+import sys
 
 import filelock
 import numpy as np
@@ -77,6 +78,27 @@ def converted_references(request, llama_cpp_dir, tmp_path_factory):
             convert(llama_cpp_dir, root, [s for s in SPECS if s.name in used])
             done.write_text(json.dumps(sorted(used)))
     return ConvertedReferences(root)
+
+
+@pytest.fixture(autouse=True)
+def torch_threads_restored():
+    """torch's thread count as it was before the test (the setting is process-wide: a runtime's
+    num_thread would otherwise carry into whichever tests its worker runs next)."""
+    torch = sys.modules.get("torch")
+    before = torch.get_num_threads() if torch is not None else None
+    yield
+    torch = sys.modules.get("torch")
+    if torch is not None and before is not None and torch.get_num_threads() != before:
+        torch.set_num_threads(before)
+
+
+@pytest.fixture
+def torch_threads(request):
+    """torch's compute threads set to the test's parameter (indirect) for the test."""
+    import torch
+
+    torch.set_num_threads(request.param)
+    return request.param
 
 
 @pytest.fixture(autouse=True)

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from corral.ml import Rope, Yarn
 from corral.model import Batch
-from corral.plugins.backends.torch import native
+from corral.plugins.backends.torch import elementwise, native
 from corral.plugins.backends.torch.attention import AttentionMemo, attention
 from corral.plugins.backends.torch.bidirectional import bidirectional_attention
 from corral.plugins.backends.torch.fusion import fuse_gates, fuse_linears, fuse_ropes
@@ -148,7 +148,7 @@ class TorchContext(Graph):
         return self.record(F.relu, x)
 
     def sigmoid(self, x: Node) -> Node:
-        return self.record(torch.sigmoid, x)
+        return self.record(elementwise.sigmoid, x)
 
     def softmax(self, x: Node) -> Node:
         return self.record(_softmax, x)
@@ -179,24 +179,22 @@ class TorchContext(Graph):
         return self.record(_keep_only, x, indices, fill)
 
     def silu(self, x: Node) -> Node:
-        return self.record(F.silu, x)
+        return self.record(elementwise.silu, x)
 
     def gelu(self, x: Node, approximate: str = "tanh") -> Node:
         if approximate == "tanh":
-            return self.record(_gelu_tanh, x)
-        return self.record(lambda t: F.gelu(t, approximate=approximate), x)
+            return self.record(elementwise.gelu_tanh, x)
+        if approximate == "none":
+            return self.record(elementwise.gelu_erf, x)
+        raise ValueError(f"gelu approximation {approximate!r}: 'tanh' or 'none'")
 
 
 def _put_rows(x: torch.Tensor, indices: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return x.index_copy(0, indices, rows.to(x.dtype))
 
 
-def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
-    return F.gelu(x, approximate="tanh")
-
-
 # The activations a fused gate computes (by native.gated's names), as the graph records them.
-GATED = {"silu": F.silu, "gelu_tanh": _gelu_tanh}
+GATED = {"silu": elementwise.silu, "gelu_tanh": elementwise.gelu_tanh}
 
 
 def _gated(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
@@ -225,7 +223,7 @@ def _softmax(x: torch.Tensor) -> torch.Tensor:
 
 
 def _softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
-    return torch.tanh(x.float() / cap) * cap
+    return elementwise.tanh(x.float() / cap) * cap
 
 
 def _top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -255,11 +253,11 @@ def _rope_table(positions: torch.Tensor, rope: Rope, view: Any = None) -> Any:
         angles, magnitude = _yarn_angles(positions.float()[:, None] * inv_freq[None, :], rope, rope.yarn)
     if rope.rotation_only:
         magnitude = 1.0
-    if not rope.neox:
-        return torch.polar(torch.full_like(angles, magnitude), angles)[:, None, :]
-    cos, sin = angles.cos(), angles.sin()
+    cos, sin = elementwise.cos(angles), elementwise.sin(angles)
     if magnitude != 1.0:
         cos, sin = cos * magnitude, sin * magnitude
+    if not rope.neox:
+        return torch.complex(cos, sin)[:, None, :]
     return torch.cat((cos, cos), -1)[:, None, :], torch.cat((-sin, sin), -1)[:, None, :]
 
 
