@@ -253,7 +253,14 @@ class JsonToolCallParser(ToolCallParser):
             self.prefix = prefix
 
     def pending(self) -> PendingCall | None:
-        return written_call(self._buffer) if self._in_call else None
+        if not self._in_call:
+            return None
+        text = self._buffer.lstrip()
+        if self.fence:
+            if not text.startswith(self.fence):
+                return None
+            text = text[len(self.fence) :]
+        return written_call(text)
 
     def take_calls(self, text: str, final: bool) -> tuple[list[ToolCall], int] | None:
         taken = self._take_calls(text, final)
@@ -331,8 +338,12 @@ def _regex_literal(text: str) -> str:
     return re.escape(text).replace("/", "\\/")
 
 
-# The head of a call object as the forcing grammar writes it (and most models do): the name, then the arguments.
-_CALL_HEAD = re.compile(r'\s*\[?\s*\{\s*"(?:name|function|tool_name)"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*')
+# The head of a call object as the forcing grammar writes it (and most models do): the name, then the arguments;
+# other keys with a plain value may come first (Command-R's "tool_call_id").
+_PLAIN_MEMBER = r'\s*"(?:[^"\\]|\\.)*"\s*:\s*(?:"(?:[^"\\]|\\.)*"|-?\d+)\s*,'
+_CALL_HEAD = re.compile(
+    r'\s*\[?\s*\{(?:' + _PLAIN_MEMBER + r')*?\s*"(?:name|function|tool_name)"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*'
+)
 
 
 def written_call(text: str) -> PendingCall | None:
@@ -347,6 +358,23 @@ def written_call(text: str) -> PendingCall | None:
     except json.JSONDecodeError:
         end = len(rest)  # still being written: all of it belongs to the arguments
     return PendingCall(json.loads(head.group(1)), rest[:end])
+
+
+def settled_arguments(text: str, closers: tuple[str, ...]) -> str:
+    """Of a call's arguments written so far (`text`, raw), what is sure to begin the finished arguments' stripped
+    text: blanks around it and any end that may be the start of one of the `closers` (the text that ends the
+    arguments) are held back until what follows decides."""
+    text = text.lstrip()
+    while True:
+        trimmed = text.rstrip()
+        for closer in closers:
+            for size in range(min(len(closer), len(trimmed)), 0, -1):
+                if trimmed.endswith(closer[:size]):
+                    trimmed = trimmed[:-size]
+                    break
+        if trimmed == text:
+            return text
+        text = trimmed
 
 
 def _decodes_to(text: str, value: Any) -> bool:

@@ -7,7 +7,7 @@ import re
 
 from corral.grammar import JSON_OPTIONS
 from corral.hookspecs import hookimpl
-from corral.toolcalls import ToolCall, ToolCallParser, calls_grammar
+from corral.toolcalls import PendingCall, ToolCall, ToolCallParser, calls_grammar, settled_arguments
 
 CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 CALL_BEGIN, CALL_END, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
@@ -54,6 +54,28 @@ class DeepSeekToolCallParser(ToolCallParser):
             return [], 0
         return calls, end + len(CALLS_END)
 
+    def pending(self) -> PendingCall | None:
+        """The first call of the block once its name is written, with its arguments so far (streamed as written)."""
+        if not self._in_call:
+            return None
+        first = self._buffer.split(CALLS_END)[0].split(CALL_BEGIN)
+        if len(first) < 2:
+            return None
+        head, sep, args = first[1].partition(SEP)
+        if not sep:
+            return None
+        fenced = _FENCED.match(head) is not None
+        if fenced:
+            name, newline, args = args.partition("\n")
+            args = args.lstrip()
+            if not newline or not args.startswith("```json"):
+                return None
+            args = args.removeprefix("```json")
+        else:
+            name = head
+        closers = (CALL_END, "```") if fenced else (CALL_END,)
+        return PendingCall(name.strip(), settled_arguments(args.split(CALL_END)[0], closers))
+
     @staticmethod
     def _call(body: str):
         body = body.split(CALL_END)[0]
@@ -69,7 +91,8 @@ class DeepSeekToolCallParser(ToolCallParser):
             arguments = json.loads(args)
         except json.JSONDecodeError:
             return None
-        return ToolCall(name.strip(), arguments) if isinstance(arguments, dict) else None
+        # The arguments' text as written: what `pending` streamed grows into it.
+        return ToolCall(name.strip(), arguments, arguments_text=args.strip()) if isinstance(arguments, dict) else None
 
 
 class DeepSeekV3ToolCallParser(DeepSeekToolCallParser):

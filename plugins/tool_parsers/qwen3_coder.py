@@ -1,6 +1,8 @@
 """Qwen3-Coder: XML calls, `<tool_call>\n<function=NAME>\n<parameter=P>\nVALUE\n</parameter>\n</function>\n</tool_call>`.
 
 A value is text; it is read as JSON when the tool's schema says the parameter is not a string (and it parses).
+While a call is written, its arguments stream as the JSON object they will be: each parameter once it is
+closed, and a string parameter's text as it is written.
 """
 
 import json
@@ -8,10 +10,13 @@ import re
 
 from corral.hookspecs import hookimpl
 from corral.grammar import JSON_OPTIONS
-from corral.toolcalls import ToolCall, ToolCallParser, calls_grammar
+from corral.toolcalls import PendingCall, ToolCall, ToolCallParser, calls_grammar
 
 _FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*?)</function>\s*(?:</tool_call>)?", re.S)
 _PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
+_OPEN_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>")
+_OPEN_PARAMETER = re.compile(r"<parameter=([^>\n]+)>")
+_VALUE_CLOSE = "\n</parameter>"
 
 
 class Qwen3CoderToolCallParser(ToolCallParser):
@@ -55,6 +60,29 @@ class Qwen3CoderToolCallParser(ToolCallParser):
         arguments = {key.strip(): self._value(name, key.strip(), value) for key, value in _PARAMETER.findall(match.group(2))}
         return [ToolCall(name, arguments)], match.end()
 
+    def pending(self) -> PendingCall | None:
+        """The call being written, once its function is named: its arguments so far as the JSON text the finished
+        call serialises to (`ToolCall.arguments_json`), so each step's text begins the next one's."""
+        opened = _OPEN_FUNCTION.match(self._buffer) if self._in_call else None
+        if opened is None:
+            return None
+        name, body = opened.group(1).strip(), self._buffer[opened.end() :].split("</function>")[0]
+        members, at, seen = [], 0, set()
+        while (parameter := _OPEN_PARAMETER.search(body, at)) is not None:
+            key, start = parameter.group(1).strip(), parameter.end()
+            if key in seen:
+                break  # a repeated parameter keeps its first place and its last value: wait for the whole call
+            seen.add(key)
+            close = body.find("</parameter>", start)
+            if close < 0:
+                if self._schema_type(name, key) in (None, "string"):  # its text streams as it is written
+                    members.append(f"{json.dumps(key, ensure_ascii=False)}: " + _string_so_far(body[start:]))
+                break
+            value = body[start:close].removeprefix("\n").removesuffix("\n")
+            members.append(f"{json.dumps(key, ensure_ascii=False)}: {json.dumps(self._value(name, key, value), ensure_ascii=False)}")
+            at = close + len("</parameter>")
+        return PendingCall(name, "{" + ", ".join(members))
+
     def _value(self, function: str, parameter: str, text: str):
         kind = self._schema_type(function, parameter)
         if kind in (None, "string"):
@@ -72,6 +100,23 @@ class Qwen3CoderToolCallParser(ToolCallParser):
 
 
 _VALUE_END = "\n</parameter>"
+
+
+def _string_so_far(text: str) -> str:
+    """A string value being written, as the start of its JSON: the opening quote and the text sure to be part of
+    it (not a newline or tag start that may close it)."""
+    text = text.removeprefix("\n")
+    settled = text if not text else text[: len(text) - _closing_tail(text)]
+    return '"' + json.dumps(settled, ensure_ascii=False)[1:-1]
+
+
+def _closing_tail(text: str) -> int:
+    """How many characters at the end of `text` may begin the value's closing `\n</parameter>` (or `</parameter>`)."""
+    for closer in (_VALUE_CLOSE, "</parameter>"):
+        for size in range(min(len(closer), len(text)), 0, -1):
+            if text.endswith(closer[:size]):
+                return size
+    return 0
 
 
 def _value(schema: dict, name: str, rules: list[str]) -> str:
