@@ -2,8 +2,10 @@
 models (and a server over it), and the llama.cpp / transformers references (llama.cpp's sources, and
 tiny transformers models converted with its converter: reference_models.py).
 
-Every test that needs a real model pulled into the store is marked `real_model`, so
-`pytest -m "not real_model"` is a fast subset that runs offline with an empty store. Tests using
+Every test that needs a real model pulled into the store is marked `real_model`, one that needs
+llama.cpp's sources `peers`, and one that takes seconds (processes, servers, a browser, transformers
+models) `slow`, so `pytest -m "not real_model and not peers and not slow"` is a fast subset that runs
+offline with an empty store (README). Tests using
 `smollm2_path` or `gemma3_path` (directly or through any fixture built on them: `seeded_store_root`,
 `server`, ...) get the mark from `pytest_collection_modifyitems`; the few that reach a real model
 another way carry it explicitly.
@@ -35,6 +37,8 @@ REFERENCE = pathlib.Path(__file__).resolve().parent / "reference"
 REAL_MODEL_FIXTURES = frozenset({"smollm2_path", "gemma3_path", "sentence_transformer", "minilm_folder", "minilm_path", "minilm_f16_path"})
 # Fixtures that need llama.cpp's sources (downloaded from PyPI once, then cached; see peers.py).
 PEER_FIXTURES = frozenset({"llama_cpp_dir"})
+# Fixtures that take seconds to build (a model made by transformers): their tests are left out of the fast subset.
+SLOW_FIXTURES = frozenset({"tiny_folder"})
 
 
 def pytest_collection_modifyitems(items):
@@ -44,6 +48,8 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.real_model)
         if PEER_FIXTURES.intersection(fixtures):
             item.add_marker(pytest.mark.peers)
+        if SLOW_FIXTURES.intersection(fixtures):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session")

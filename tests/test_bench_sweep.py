@@ -12,6 +12,8 @@ from conftest import TINY_LLAMA, _serve, copy_store
 from corral.cli import main
 from corral.sweep import bench_prompt, parse_levels
 
+pytestmark = pytest.mark.slow  # two servers under load: out of the fast subset (-m "not slow")
+
 
 @pytest.fixture
 def cli(monkeypatch):

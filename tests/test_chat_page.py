@@ -18,6 +18,8 @@ import pytest
 import trio
 from conftest import CHATML, TINY_GEMMA3, TINY_LLAMA, _serve, copy_store
 
+pytestmark = pytest.mark.slow  # a browser and a server: out of the fast subset (-m "not slow")
+
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 needs_chromium = pytest.mark.skipif(
     CHROMIUM is None, reason="Debian's chromium is not installed (apt-get install chromium; .ci/run installs it when missing)"

@@ -84,6 +84,7 @@ def mutate(data: bytes, mutations) -> bytes:
     return bytes(out)
 
 
+@pytest.mark.slow  # hundreds of hypothesis examples
 def test_mutated_headers_fail_only_with_typed_errors_and_bounded_memory(valid, fields, scratch):
     path, store = scratch
 

@@ -10,7 +10,10 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
 from tiny_gguf import WRITERS
+
+pytestmark = pytest.mark.slow  # the GPU script's CPU dry run: out of the fast subset (-m "not slow")
 
 SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "gpu.py"
 

@@ -40,6 +40,7 @@ IMAGES = {
 }
 
 
+@pytest.mark.slow  # imports transformers' image processors
 @pytest.mark.parametrize("name", sorted(IMAGES))
 @pytest.mark.parametrize("processor_class", ["Gemma3ImageProcessorPil", "SiglipImageProcessorPil"])
 def test_preprocessing_gives_the_hf_processors_pixels_exactly(name, processor_class):

@@ -4,8 +4,12 @@ gets an answer or a 503, none fails, and the figures are reported."""
 import importlib.util
 import pathlib
 
+import pytest
 from conftest import TINY_LLAMA
 from serve_process import ServeProcess
+
+pytestmark = pytest.mark.slow  # hundreds of clients against a server: out of the fast subset (-m "not slow")
+
 
 
 def load_benchmark():

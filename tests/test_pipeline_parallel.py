@@ -22,6 +22,8 @@ from conftest import TINY_LLAMA
 from split_models import PROMPT, greedy_tokens
 from tiny_gguf import write_tiny_llama
 
+pytestmark = pytest.mark.slow  # stage processes: out of the fast subset (-m "not slow")
+
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> str:

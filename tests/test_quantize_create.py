@@ -130,6 +130,7 @@ def write_gguf(path, tensors: dict) -> None:
     writer.close()
 
 
+@pytest.mark.slow  # quantizes three sources
 def test_f16_and_bf16_sources_quantize_like_their_float32_values(tmp_path, f32_gguf):
     """A half-precision file quantizes as the float32 file of the same values (read exactly)."""
     source = GGUFFile.open(f32_gguf)

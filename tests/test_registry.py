@@ -29,6 +29,8 @@ from corral.modelfile import ModelSpec, create_model
 from corral.modelfile.defaults import model_defaults
 from corral.store import Store, parse_name
 
+pytestmark = pytest.mark.slow  # a docker-registry process: out of the fast subset (-m "not slow")
+
 
 @pytest.fixture(scope="session")
 def registry(tmp_path_factory):

@@ -14,7 +14,7 @@ SIZES = dict(num_parallel=2, num_ctx=128, num_batch=32)
 GREEDY = {"temperature": 0, "num_predict": 4}
 
 
-@pytest.fixture(params=["inprocess", "process"])
+@pytest.fixture(params=["inprocess", pytest.param("process", marks=pytest.mark.slow)])  # a child process: seconds
 def open_runner(request, tmp_path):
     path = write_tiny_llama(tmp_path / "tiny.gguf")
     opener = Runtime.open if request.param == "inprocess" else RunnerProcess.open

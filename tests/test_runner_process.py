@@ -27,6 +27,8 @@ from corral.runner.runtime import Runtime
 from corral.runner.stream import Chunk, TokenLogprob
 from tiny_gguf import write_tiny_llama
 
+pytestmark = pytest.mark.slow  # each test starts a runner process that imports torch: out of the fast subset (-m "not slow")
+
 SMALL = dict(num_parallel=2, num_ctx=128, num_batch=32)
 ENDLESS = {"temperature": 0, "num_predict": -1}  # with context shift, ends only when the reader leaves
 

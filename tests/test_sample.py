@@ -177,6 +177,7 @@ def whole_vocabulary(chain: SamplerChain, monkeypatch) -> SamplerChain:
     return chain
 
 
+@pytest.mark.slow  # every sampler over a 262k vocabulary
 def test_after_top_k_the_chain_runs_on_candidates_with_the_same_results(monkeypatch):
     logits = torch.randn(3, 4096, generator=torch.Generator().manual_seed(3)) * 3
     logits[:, 100:110] = logits[:, 99:100]  # ties at the top

@@ -12,6 +12,8 @@ import sys
 import pytest
 import trio
 
+pytestmark = pytest.mark.slow  # thousands of generated requests: out of the fast subset (-m "not slow")
+
 HOOKS = pathlib.Path(__file__).with_name("schemathesis_hooks.py")
 # pull and push talk to a remote registry (tested against a real one in tests/test_registry*.py): a 502 there
 # is the registry's failure, documented as such, not the server's.

@@ -8,8 +8,12 @@ import threading
 import time
 
 import httpx
+import pytest
 from conftest import TINY_LLAMA
 from serve_process import ServeProcess, children_of
+
+pytestmark = pytest.mark.slow  # a corral serve process: out of the fast subset (-m "not slow")
+
 
 GRACE = 4.0
 

@@ -1,8 +1,11 @@
 """The server routes and its runner processes compute: `corral serve` never imports torch and stays small."""
 
 import httpx
+import pytest
 from conftest import TINY_LLAMA
 from serve_process import ServeProcess, children_of, maps_torch, resident_mib
+
+pytestmark = pytest.mark.slow  # server and runner processes: out of the fast subset (-m "not slow")
 
 SERVER_RSS_LIMIT_MIB = 80
 

@@ -21,6 +21,8 @@ from conftest import TINY_LLAMA
 from split_models import GREEDY, PROMPT, PROMPTS, greedy_tokens
 from tiny_gguf import write_tiny_llama
 
+pytestmark = pytest.mark.slow  # rank processes: out of the fast subset (-m "not slow")
+
 
 # Heads each rank count splits: 4 heads over 2 KV heads (tp=2 splits both); 6 heads over 3 KV heads
 # (tp=3: one KV head a rank); 4 heads over 1 KV head (tp=2 replicates it). Widths keep whole Q8_0
