@@ -31,8 +31,8 @@ def step(parts: list[tuple[int, int, list[int]]]) -> Batch:
 
 
 # torch's elementwise kernels split work by thread and leave tails to scalar code (elementwise.py):
-# the bits must hold at any thread count, not only the machine's.
-@pytest.mark.parametrize("torch_threads", [1, 2, 3], indirect=True, ids=lambda n: f"threads{n}")
+# the bits must hold at any thread count, not only the machine's (CI's and this machine's: 2).
+@pytest.mark.parametrize("torch_threads", [1, 3], indirect=True, ids=lambda n: f"threads{n}")
 @pytest.mark.parametrize("precision", ["auto", "fp32"])
 @pytest.mark.parametrize("architecture", MOE)
 def test_a_sequence_has_the_same_logits_alone_and_batched(tmp_path, architecture, precision, torch_threads):
