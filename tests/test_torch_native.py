@@ -163,12 +163,12 @@ def test_int4_blocks_coarse_products_are_within_int8_rounding_per_block(half, ro
 def test_int4_blocks_rows_are_the_same_alone_and_batched():
     layer, _ = random_blocks(64, 576, half=True)
     x = randn(11, 576, seed=2)
-    batched = layer.matmul(x)
+    batched, coarse = layer.matmul(x), layer.coarse(x)
     for i in range(11):
         assert torch.equal(layer.matmul(x[i : i + 1])[0], batched[i])
     torch.set_num_threads(1)
     try:
-        assert torch.equal(layer.matmul(x), batched)
+        assert torch.equal(layer.matmul(x), batched) and torch.equal(layer.coarse(x), coarse)
     finally:
         torch.set_num_threads(2)
 
