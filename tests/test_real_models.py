@@ -57,7 +57,7 @@ def test_fp32_logits_match_reference_everywhere(loaded, name, index):
 
 @pytest.fixture
 def torch_kernels_only(monkeypatch):
-    """The backend as on a machine without AVX-512 or a C compiler: torch's kernels alone."""
+    """The backend as on a machine without AVX-512 or AVX2, or without a C compiler: torch's kernels alone."""
     monkeypatch.setenv("CORRAL_NATIVE_KERNELS", "0")
     caches = (torch_native.load, torch_native.function)
     for cache in caches:

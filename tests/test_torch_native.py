@@ -24,15 +24,17 @@ from corral.plugins.backends.torch.layouts import Int4Blocks, Int4Weight, Int8We
 Q = gguf.GGMLQuantizationType
 
 
-def _avx512_here() -> bool:
+def _cpu_has(*flags: str) -> bool:
     try:
-        flags = Path("/proc/cpuinfo").read_text()
+        features = set(Path("/proc/cpuinfo").read_text().split())
     except OSError:
         return False
-    return platform.machine() == "x86_64" and "avx512bw" in flags and shutil.which("cc") is not None
+    return platform.machine() == "x86_64" and set(flags) <= features and shutil.which("cc") is not None
 
 
-needs_native = pytest.mark.skipif(not torch_native.has("int4_blocks_matmul"), reason="no AVX-512 C build here")
+def needs_native(kernel: str):
+    """Skips a test where the native `kernel` is not built here (no compiler, neither AVX-512 nor AVX2, no such variant)."""
+    return pytest.mark.skipif(not torch_native.has(kernel), reason=f"no native {kernel} build for this CPU")
 
 
 def randn(*shape: int, seed: int = 0) -> torch.Tensor:
@@ -53,8 +55,9 @@ def fresh_native(monkeypatch, tmp_path):
 
 # --- the build --------------------------------------------------------------------------------------
 def test_every_kernel_builds_on_an_avx512_machine_with_a_compiler(fresh_native):
-    if not _avx512_here():
+    if not _cpu_has("avx512f", "avx512bw"):
         pytest.skip("not an AVX-512 machine with cc")
+    assert torch_native.variant() == "avx512"
     assert all(torch_native.has(name) for name in torch_native.SIGNATURES)
     built = sorted(path.name for path in fresh_native.iterdir())
     assert len(built) == len({source for source, _ in torch_native.SIGNATURES.values()})
@@ -78,12 +81,31 @@ def test_a_failing_compiler_falls_back_to_torch_with_a_warning(fresh_native, mon
     assert "not built" in caplog.text
 
 
-def test_without_avx512_no_compile_is_tried(fresh_native, monkeypatch, caplog):
+def test_the_avx2_kernels_build_on_an_avx2_machine_without_avx512(fresh_native):
+    if not _cpu_has("avx2", "fma", "f16c") or _cpu_has("avx512f", "avx512bw"):
+        pytest.skip("not an AVX2 machine without AVX-512 with cc")
+    assert torch_native.variant() == "avx2"
+    ported = {path.stem for path in (torch_native.SOURCE_DIR / "avx2").glob("*.c")}
+    assert {"int4_blocks", "rms_norm", "gated"} <= ported
+    assert all(torch_native.has(name) == (source in ported) for name, (source, _) in torch_native.SIGNATURES.items())
+    assert sorted(path.name.split("-")[0] for path in fresh_native.iterdir()) == sorted(ported)
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [("fpu avx2 fma f16c avx512f avx512bw", "avx512"), ("fpu avx2 fma f16c avx512f", "avx2"), ("fpu avx2 fma f16c", "avx2")],
+)
+def test_the_variant_is_the_best_the_cpu_has(monkeypatch, flags, expected):
+    monkeypatch.setattr(torch_native, "_cpu_features", lambda: f"flags\t\t: {flags}")
+    assert torch_native.variant() == expected
+
+
+def test_without_avx512_or_avx2_no_compile_is_tried(fresh_native, monkeypatch, caplog):
     monkeypatch.setenv("CC", "false")  # a compile attempt would fail with a warning
-    monkeypatch.setattr(torch_native, "_cpu_features", lambda: "flags\t\t: fpu sse2 avx2 fma")
+    monkeypatch.setattr(torch_native, "_cpu_features", lambda: "flags\t\t: fpu sse2 avx fma")
     with caplog.at_level(logging.INFO, logger="corral.plugins.backends.torch.native"):
         assert torch_native.function("rms_norm") is None
-    assert "no AVX-512" in caplog.text and "not built" not in caplog.text
+    assert "neither AVX-512 nor AVX2" in caplog.text and "not built" not in caplog.text
 
 
 # --- int4 blocks ------------------------------------------------------------------------------------
@@ -100,7 +122,7 @@ def random_blocks(rows: int, cols: int, half: bool, seed: int = 0) -> tuple[Int4
     return Int4Blocks.from_codes(codes, scales, mins), weight
 
 
-@needs_native
+@needs_native("int4_blocks_matmul")
 @pytest.mark.parametrize("half", [True, False], ids=["f16", "f32"])
 @pytest.mark.parametrize(("rows", "cols"), [(16, 64), (48, 576), (32, 1024)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -117,7 +139,7 @@ def test_int4_blocks_matmul_matches_float64(half, rows, cols, dtype):
     assert ((got.double() - expected).abs() <= bound + 1e-5 * expected.abs().max()).all()
 
 
-@needs_native
+@needs_native("int4_blocks_matmul")
 @pytest.mark.parametrize("half", [True, False], ids=["f16", "f32"])
 @pytest.mark.parametrize(("rows", "cols"), [(16, 64), (48, 576), (32, 1024)])  # a 64-wide tail chunk, then none
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -137,21 +159,21 @@ def test_int4_blocks_coarse_products_are_within_int8_rounding_per_block(half, ro
         assert torch.equal(layer.coarse(x[i : i + 1])[0], got[i])
 
 
-@needs_native
+@needs_native("int4_blocks_matmul")
 def test_int4_blocks_rows_are_the_same_alone_and_batched():
     layer, _ = random_blocks(64, 576, half=True)
     x = randn(11, 576, seed=2)
-    batched = layer.matmul(x)
+    batched, coarse = layer.matmul(x), layer.coarse(x)
     for i in range(11):
         assert torch.equal(layer.matmul(x[i : i + 1])[0], batched[i])
     torch.set_num_threads(1)
     try:
-        assert torch.equal(layer.matmul(x), batched)
+        assert torch.equal(layer.matmul(x), batched) and torch.equal(layer.coarse(x), coarse)
     finally:
         torch.set_num_threads(2)
 
 
-@needs_native
+@needs_native("int4_blocks_matmul")
 @pytest.mark.parametrize("qtype", INT4, ids=lambda q: q.name)
 def test_int4_blocks_of_gguf_bytes_hold_the_files_weights(qtype):
     raw = random_raw(qtype, rows=32, blocks_per_row=4 if qtype != Q.Q4_K else 1)
@@ -169,7 +191,7 @@ def test_int4_blocks_of_gguf_bytes_hold_the_files_weights(qtype):
     assert torch.allclose(layer.matmul(x).double(), expected, rtol=0, atol=2e-4 * expected.abs().max().item())
 
 
-@needs_native
+@needs_native("int4_blocks_matmul")
 def test_int4_blocks_prompt_runs_take_the_kernel_row_by_row():
     raw = torch.from_numpy(random_raw(Q.Q4_1, rows=32, blocks_per_row=2))
     layer = Int4Blocks.from_codes(*torch_quant.int4_blocks(raw, Q.Q4_1, 64))
@@ -181,7 +203,7 @@ def test_int4_blocks_prompt_runs_take_the_kernel_row_by_row():
     assert torch.allclose(got.double(), expected, rtol=0, atol=2e-4 * expected.abs().max().item())
 
 
-@needs_native
+@needs_native("int4_blocks_matmul")
 def test_stacked_int4_blocks_compute_each_part_and_share_their_storage():
     parts = [random_blocks(rows, 128, half=True, seed=i)[0] for i, rows in enumerate((64, 32, 16))]
     x = randn(3, 128, seed=5)
@@ -193,7 +215,7 @@ def test_stacked_int4_blocks_compute_each_part_and_share_their_storage():
     assert stack_weights([parts[0], random_blocks(16, 128, half=False)[0]]) is None  # mixed scale dtypes
 
 
-@needs_native
+@needs_native("int4_blocks_matmul")
 def test_requantized_logits_copy_has_float16_scales_spanning_each_group():
     values = np.random.default_rng(6).normal(0, 0.05, (64, 128)).astype(np.float32)
     raw = torch.from_numpy(gguf.quants.quantize(values, Q.Q8_0))
@@ -206,7 +228,7 @@ def test_requantized_logits_copy_has_float16_scales_spanning_each_group():
 
 
 # --- int8 rows --------------------------------------------------------------------------------------
-@needs_native
+@needs_native("int8_rows_matmul")
 @pytest.mark.parametrize(("rows", "cols"), [(16, 32), (64, 640), (32, 4128)])  # 4128: past a flush of the int32 sums
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_int8_rows_matmul_matches_float64(rows, cols, dtype):
@@ -228,7 +250,7 @@ def test_int8_rows_take_only_whole_kernel_tiles():
 
 
 # --- rms_norm ---------------------------------------------------------------------------------------
-@needs_native
+@needs_native("rms_norm")
 @pytest.mark.parametrize("rows", [1, 3, 40])  # 40: split across threads
 @pytest.mark.parametrize("dim", [576, 40, 7])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -240,12 +262,24 @@ def test_rms_norm_matches_torch(rows, dim, dtype):
     assert torch.equal(torch.cat([torch_native.rms_norm(x[i : i + 1], w, 1e-6) for i in range(rows)]), got)
 
 
-@needs_native
+@needs_native("rms_norm")
 def test_rms_norm_of_heads_and_of_a_mismatched_weight():
     x = randn(2, 4, 64, seed=12)[:, 1:]  # a non-contiguous view of heads
     torch.testing.assert_close(torch_native.rms_norm(x, torch.ones(64), 1e-6), F.rms_norm(x, (64,), torch.ones(64), 1e-6))
     with pytest.raises(ValueError, match="64 values for rows of 32"):
         torch_native.rms_norm(randn(2, 32), torch.ones(64), 1e-6)
+
+
+# --- gated activations -----------------------------------------------------------------------------
+@needs_native("gated")
+@pytest.mark.parametrize(("activation", "torch_activation"), [("silu", F.silu), ("gelu_tanh", lambda g: F.gelu(g, approximate="tanh"))])
+def test_gated_matches_torch_on_column_slices_and_each_row_alone(activation, torch_activation):
+    fused = randn(5, 2 * 1539, seed=33) * 6  # a 1539 width: a tail of 3 lanes
+    fused[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])
+    gate, up = fused[:, :1539], fused[:, 1539:]
+    got = torch_native.gated(gate, up, activation)
+    torch.testing.assert_close(got, torch_activation(gate) * up, rtol=1e-5, atol=1e-5)  # values up to ~500
+    assert torch.equal(torch.cat([torch_native.gated(gate[i : i + 1], up[i : i + 1], activation) for i in range(5)]), got)
 
 
 # --- row attention ----------------------------------------------------------------------------------
@@ -256,7 +290,7 @@ def reference_attention(q, keys, values, group, scale) -> torch.Tensor:
     return out[0].transpose(0, 1)[0]  # [heads, dim]
 
 
-@needs_native
+@needs_native("row_attention")
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "dim", "lengths"),
     [(9, 3, 64, [512, 17, 1]), (4, 1, 256, [100, 99]), (8, 8, 32, [16, 15, 33]), (6, 2, 48, [5])],
@@ -281,7 +315,7 @@ def test_row_attention_matches_float64_and_is_the_same_alone(heads, kv_heads, di
         assert torch.equal(alone[0], got[i])
 
 
-@needs_native
+@needs_native("row_attention")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_prompt_rows_attend_each_alone_as_a_decode_row_would(dtype):
     # Batch rows [0, 7) decode-free prompt rows of sequence A (after 5 cached cells, a causal mask
@@ -307,7 +341,7 @@ def test_prompt_rows_attend_each_alone_as_a_decode_row_would(dtype):
     assert torch.equal(torch_native.row_attention(q[7:], keys, values, torch_native.attention_regions([decode], 1), 0.3)[0], got[7])
 
 
-@needs_native
+@needs_native("row_attention")
 def test_row_attention_is_the_same_on_one_thread():
     keys, values = randn(1, 300, 256, seed=17).bfloat16(), randn(1, 300, 256, seed=18).bfloat16()
     q = randn(1, 4, 256, seed=19)  # one kv head: its query heads split across threads
@@ -327,7 +361,7 @@ def test_folded_grouped_heads_attend_like_torchs_grouped_query_path():
     torch.testing.assert_close(torch_attention._sdpa(q, keys, values, None, 0.125, True), expected)
 
 
-@needs_native
+@needs_native("rms_norm")
 def test_backend_runs_norms_natively_and_not_on_cuda_shaped_weights():
     backend = TorchBackend(device="cpu")
     assert backend.native("rms_norm")
@@ -340,7 +374,7 @@ def test_backend_runs_norms_natively_and_not_on_cuda_shaped_weights():
     assert ctx.nodes[-1][0] is not torch_native.rms_norm
 
 
-@needs_native
+@needs_native("row_attention")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_row_attention_stores_the_new_rows_as_torch_would_first(dtype):
     keys, values = randn(3, 64, 32, seed=24).to(dtype), randn(3, 64, 32, seed=25).to(dtype)

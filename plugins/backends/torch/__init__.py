@@ -9,8 +9,9 @@ The residual stream, norms and rope run in float32. Measurements: BENCHMARKS.md.
 
 Kernels: torch's, plus native C kernels built for this CPU on first use (native.py) where
 torch has none that fits: the 4-bit and int8 matmuls with exact integer products, rms_norm, gated
-activations, and attention of every row (prompt or decode) over its own cells. Without a C
-compiler or AVX-512 the backend runs on torch's alone.
+activations, and attention of every row (prompt or decode) over its own cells; AVX-512 versions,
+and AVX2 ones of the int4 matmul, rms_norm and gated activations for CPUs without AVX-512. Without
+a C compiler, or a kernel's version for this CPU, the backend runs on torch's.
 
 Batch invariance: a sequence's output must not depend on what it is batched with. The int and
 native kernels compute every row alone, and attention reads each sequence's own cache region

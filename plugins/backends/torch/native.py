@@ -10,8 +10,10 @@ the system C compiler (`$CC`, else `cc`) for this CPU (`-march=native`), cached 
 CPU's features, and loaded with ctypes. They run on torch's own OpenMP thread pool: the library
 links `libgomp.so.1`, which resolves to the copy torch has already loaded.
 
-Where no compiler or no AVX-512 is available, or `CORRAL_NATIVE_KERNELS=0`, `load()` returns None
-and the backend uses torch's kernels.
+Each kernel has an AVX-512 source (native/*.c) and, for CPUs with AVX2, FMA and F16C but no AVX-512,
+an AVX2 one with the same C ABI (native/avx2/*.c); `variant()` picks the one this CPU runs. Where
+no compiler is available, the CPU has neither, the variant has no source for a kernel, or
+`CORRAL_NATIVE_KERNELS=0`, `load()` returns None and the backend uses torch's kernels.
 """
 
 from __future__ import annotations
@@ -71,13 +73,23 @@ def int8_products_are_fast() -> bool:
     return bool(flags & {"avx512_vnni", "avx_vnni", "avx_vnni_int8"}) or not _cpu_features().startswith("flags")
 
 
-def _lacks_avx512() -> bool:
-    """Whether the CPU says it has no AVX-512 F and BW: then no kernel compiles (simd.h's #error), so none is tried.
+# variant -> (its sources' folder, the CPU flags it needs), best first
+VARIANTS = {
+    "avx512": (SOURCE_DIR, {"avx512f", "avx512bw"}),
+    "avx2": (SOURCE_DIR / "avx2", {"avx2", "fma", "f16c"}),
+}
 
-    Where the CPU does not say (no /proc/cpuinfo), the compiler finds out.
+
+def variant() -> str | None:
+    """The kernels' variant this CPU runs ("avx512", "avx2"), or None where it has neither.
+
+    Where the CPU does not say (no /proc/cpuinfo), "avx512": the compiler finds out (simd.h's #error).
     """
     features = _cpu_features()
-    return features.startswith("flags") and not {"avx512f", "avx512bw"} <= set(features.split())
+    if not features.startswith("flags"):
+        return "avx512"
+    flags = set(features.split())
+    return next((name for name, (_, needs) in VARIANTS.items() if needs <= flags), None)
 
 
 def _compiler() -> str | None:
@@ -89,15 +101,20 @@ def _compiler_version(compiler: str) -> str:
 
 
 def _build(name: str) -> Path | None:
-    source = SOURCE_DIR / f"{name}.c"
     compiler = _compiler()
     if compiler is None or platform.machine() not in ("x86_64", "AMD64"):
         return None
-    if _lacks_avx512():
-        log.info("native kernel %s skipped: this CPU has no AVX-512; using torch's kernels", name)
+    chosen = variant()
+    if chosen is None:
+        log.info("native kernel %s skipped: this CPU has neither AVX-512 nor AVX2 with FMA and F16C; using torch's kernels", name)
+        return None
+    folder = VARIANTS[chosen][0]
+    source = folder / f"{name}.c"
+    if not source.exists():
+        log.info("native kernel %s has no %s version yet; using torch's kernels", name, chosen)
         return None
     key = hashlib.sha256()
-    headers = [path.read_bytes() for path in sorted(SOURCE_DIR.glob("*.h"))]
+    headers = [path.read_bytes() for path in sorted(folder.glob("*.h"))]
     for part in (source.read_bytes(), *headers, _compiler_version(compiler).encode(), _cpu_features().encode(), " ".join(FLAGS).encode()):
         key.update(part)
     target = cache_dir() / f"{name}-{key.hexdigest()[:16]}.so"

@@ -1,0 +1,251 @@
+/* 4-bit weights in blocks of 32 times 16-bit activations, AVX2 (AVX-VNNI where the CPU has it):
+ * native/int4_blocks.c's arithmetic and layouts in 8-lane registers, for CPUs without AVX-512.
+ *
+ * As there: each activation row is quantized to int16 with one scale, a block's products are
+ * summed exactly in int32 lanes (vpmaddwd, or vpdpwssd with AVX-VNNI), each block's sums are
+ * scaled and accumulated in float lanes, and every output element is computed by the same
+ * sequence of operations whatever the number of rows or threads. A 64-element chunk's two blocks
+ * take one 8-lane register each (AVX-512 puts both in one 16-lane register): the float additions'
+ * order differs from the AVX-512 build's, so the two builds may differ in the last bits.
+ *
+ * Layouts (native/int4_blocks.c): codes [N][K / 2], ggml's nibble order; scales [N][K / 32]; mins
+ * [N / 16][K / 32][16]; float16 or float32. Requires K % 64 == 0 and N % 16 == 0.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "simd.h"
+
+/* One activation row -> int16 codes laid out like the unpacked weights (per 64 elements: the
+ * first 16 of each block of 32, then the last 16 of each), the row's scale, and each block's sum
+ * of the unquantized values (for the mins). */
+static void quantize_row(const void *x, int bf16, int64_t row, int64_t K, int16_t *codes, float *scale, float *sums)
+{
+    const int64_t base = row * K;
+    float inverse;
+    *scale = int16_scale(x, bf16, base, K, &inverse);
+    const __m256 inv = _mm256_set1_ps(inverse);
+    for (int64_t p = 0; p < K / 64; p++) {
+        const int64_t at = base + 64 * p;
+        for (int half = 0; half < 2; half++) {
+            const int64_t b = at + 32 * half;
+            __m256 s = _mm256_add_ps(_mm256_add_ps(load8_all(x, bf16, b), load8_all(x, bf16, b + 8)),
+                                     _mm256_add_ps(load8_all(x, bf16, b + 16), load8_all(x, bf16, b + 24)));
+            sums[2 * p + half] = reduce_add8(s);
+        }
+        int16_t *c = codes + 64 * p;
+        _mm256_storeu_si256((__m256i *)c, codes16(x, bf16, at, inv));
+        _mm256_storeu_si256((__m256i *)(c + 16), codes16(x, bf16, at + 32, inv));
+        _mm256_storeu_si256((__m256i *)(c + 32), codes16(x, bf16, at + 16, inv));
+        _mm256_storeu_si256((__m256i *)(c + 48), codes16(x, bf16, at + 48, inv));
+    }
+}
+
+/* Scales b .. b + count - 1 (count 2 or 4) as floats in lanes 0..count - 1 (the rest unused). */
+INLINE __m128 scale_quad(const void *scales, int half, int64_t b, int count)
+{
+    if (half) {
+        const __m128i h = count == 2 ? _mm_cvtsi32_si128(*(const int32_t *)((const uint16_t *)scales + b))
+                                     : _mm_loadl_epi64((const __m128i *)((const uint16_t *)scales + b));
+        return _mm_cvtph_ps(h);
+    }
+    if (count == 2)
+        return _mm_castpd_ps(_mm_load_sd((const double *)((const float *)scales + b)));
+    return _mm_loadu_ps((const float *)scales + b);
+}
+
+INLINE __m256 min8(const void *mins, int half, int64_t i)
+{
+    if (half)
+        return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)mins + i)));
+    return _mm256_loadu_ps((const float *)mins + i);
+}
+
+/* Row t's 16 outputs: the sums of acc[t]'s lanes times the row's scale (none when xs is NULL:
+ * already applied), plus the mins times the row's block sums. */
+INLINE void store_rows(__m256 acc[][16], const void *mins, int half, int64_t blocks, const float *xs, const float *xsums,
+                       int rows, float *y, int64_t ldy)
+{
+    for (int t = 0; t < rows; t++) {
+        /* mins are stored [blocks][16] per group: two vectors per block */
+        __m256 m0 = _mm256_setzero_ps(), m1 = _mm256_setzero_ps();
+        for (int64_t b = 0; b < blocks; b++) {
+            const __m256 s = _mm256_set1_ps(xsums[t * blocks + b]);
+            m0 = _mm256_fmadd_ps(min8(mins, half, 16 * b), s, m0);
+            m1 = _mm256_fmadd_ps(min8(mins, half, 16 * b + 8), s, m1);
+        }
+        const __m256 s0 = sum8(acc[t]), s1 = sum8(acc[t] + 8);
+        if (xs) {
+            const __m256 r = _mm256_set1_ps(xs[t]);
+            _mm256_storeu_ps(y + t * ldy, _mm256_fmadd_ps(s0, r, m0));
+            _mm256_storeu_ps(y + t * ldy + 8, _mm256_fmadd_ps(s1, r, m1));
+        } else {
+            _mm256_storeu_ps(y + t * ldy, _mm256_add_ps(s0, m0));
+            _mm256_storeu_ps(y + t * ldy + 8, _mm256_add_ps(s1, m1));
+        }
+    }
+}
+
+/* 16 output rows (a group) times up to ROW_TILE activation rows. Scales and mins are float16
+ * when `half` (a constant in each inlined copy), else float32. */
+INLINE void group(const uint8_t *codes, const void *scales, const void *mins, int half, int64_t K, const int16_t *xq,
+                  const float *xs, const float *xsums, int rows, float *y, int64_t ldy)
+{
+    const __m256i low = _mm256_set1_epi16(0x0F);
+    const int64_t blocks = K / 32;
+    __m256 acc[ROW_TILE][16];
+    for (int n = 0; n < 16; n++) {
+        const uint8_t *wc = codes + n * (K / 2);
+        __m256 a[ROW_TILE];
+        for (int t = 0; t < ROW_TILE; t++)
+            a[t] = _mm256_setzero_ps();
+        for (int64_t p = 0; p < K / 64; p++) {
+            /* block 2p's 16 bytes, then block 2p + 1's: the low nibbles are a block's first 16 elements */
+            __m256i w0 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(wc + 32 * p)));
+            __m256i w1 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(wc + 32 * p + 16)));
+            __m256i lo0 = _mm256_and_si256(w0, low), hi0 = _mm256_srli_epi16(w0, 4);
+            __m256i lo1 = _mm256_and_si256(w1, low), hi1 = _mm256_srli_epi16(w1, 4);
+            const __m128 pair = scale_quad(scales, half, n * blocks + 2 * p, 2);
+            const __m256 sv0 = _mm256_broadcastss_ps(pair), sv1 = _mm256_broadcastss_ps(_mm_movehdup_ps(pair));
+            for (int t = 0; t < rows; t++) {
+                const int16_t *q = xq + t * K + 64 * p;
+                __m256i s0 = DOT16(_mm256_setzero_si256(), lo0, _mm256_loadu_si256((const __m256i *)q));
+                s0 = DOT16(s0, hi0, _mm256_loadu_si256((const __m256i *)(q + 32)));
+                __m256i s1 = DOT16(_mm256_setzero_si256(), lo1, _mm256_loadu_si256((const __m256i *)(q + 16)));
+                s1 = DOT16(s1, hi1, _mm256_loadu_si256((const __m256i *)(q + 48)));
+                a[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), sv0, a[t]);
+                a[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), sv1, a[t]);
+            }
+        }
+        for (int t = 0; t < rows; t++)
+            acc[t][n] = a[t];
+    }
+    store_rows(acc, mins, half, blocks, xs, xsums, rows, y, ldy);
+}
+
+/* The coarse mode: one activation row -> int8 codes with a scale per block of 32 (as ggml's
+ * Q8_0), 128 elements a chunk laid out like the chunk's unpacked weights (the first 16 of each of
+ * its 4 blocks, then the last 16 of each; a 64-element tail chunk fills half of each part and
+ * zeros the rest), and each chunk's block scales spread over 16 lanes as its sums will lie. */
+static void quantize_row8(const void *x, int bf16, int64_t row, int64_t K, int8_t *codes, float *spread, float *sums)
+{
+    const int64_t base = row * K;
+    memset(codes, 0, (size_t)((K + 127) / 128 * 128));
+    memset(spread, 0, (size_t)((K + 127) / 128 * 16) * sizeof(float));
+    for (int64_t b = 0; b < K / 32; b++) {
+        const int64_t at = base + 32 * b;
+        __m256 v[4];
+        for (int i = 0; i < 4; i++)
+            v[i] = load8_all(x, bf16, at + 8 * i);
+        const float top = reduce_max8(_mm256_max_ps(_mm256_max_ps(abs8(v[0]), abs8(v[1])), _mm256_max_ps(abs8(v[2]), abs8(v[3]))));
+        const __m256 inv = _mm256_set1_ps(top > 0.0f ? 127.0f / top : 0.0f);
+        sums[b] = reduce_add8(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
+        for (int j = 0; j < 4; j++)
+            spread[16 * (b / 4) + 4 * (b % 4) + j] = top / 127.0f;
+        /* |code| <= 127: the saturating packs keep every value; then undo their lane interleave */
+        __m256i first = _mm256_packs_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(v[0], inv)), _mm256_cvtps_epi32(_mm256_mul_ps(v[1], inv)));
+        __m256i last = _mm256_packs_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(v[2], inv)), _mm256_cvtps_epi32(_mm256_mul_ps(v[3], inv)));
+        /* packs' 4-byte lanes hold elements 0-3, 8-11, 16-19, 24-27, 4-7, 12-15, 20-23, 28-31: put them in order */
+        __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(first, last), _mm256_set_epi32(7, 3, 6, 2, 5, 1, 4, 0));
+        int8_t *c = codes + 128 * (b / 4) + 16 * (b % 4);
+        _mm_storeu_si128((__m128i *)c, _mm256_castsi256_si128(bytes));
+        _mm_storeu_si128((__m128i *)(c + 64), _mm256_extracti128_si256(bytes, 1));
+    }
+}
+
+/* `group` in the coarse mode: u8 weights times s8 activations, 32 products a register where
+ * `group` takes 16: for ranking candidates, not for exact outputs. */
+INLINE void coarse_group(const uint8_t *codes, const void *scales, const void *mins, int half, int64_t K,
+                         const int8_t *xq, int64_t stride, const float *xspread, const float *xsums, int rows,
+                         float *y, int64_t ldy)
+{
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    const __m256i first_pair = _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0), last_pair = _mm256_set_epi32(3, 3, 3, 3, 2, 2, 2, 2);
+    const int64_t blocks = K / 32;
+    __m256 acc[ROW_TILE][16];
+    for (int n = 0; n < 16; n++) {
+        const uint8_t *wc = codes + n * (K / 2);
+        __m256 a[ROW_TILE];
+        for (int t = 0; t < ROW_TILE; t++)
+            a[t] = _mm256_setzero_ps();
+        for (int64_t p = 0; 128 * p < K; p++) {
+            const int count = K - 128 * p >= 128 ? 4 : 2;
+            /* blocks 4p and 4p + 1 (lanes 0-3 and 4-7 of the sums), then 4p + 2 and 4p + 3 unless this is a tail chunk */
+            __m256i w0 = _mm256_loadu_si256((const __m256i *)(wc + 64 * p));
+            __m256i lo0 = _mm256_and_si256(w0, low), hi0 = _mm256_and_si256(_mm256_srli_epi16(w0, 4), low);
+            const __m256 quad = _mm256_castps128_ps256(scale_quad(scales, half, n * blocks + 4 * p, count));
+            const __m256 sv0 = _mm256_permutevar8x32_ps(quad, first_pair);
+            for (int t = 0; t < rows; t++) {
+                const int8_t *q = xq + t * stride + 128 * p;
+                __m256i s = DOT8(_mm256_setzero_si256(), lo0, _mm256_loadu_si256((const __m256i *)q));
+                s = DOT8(s, hi0, _mm256_loadu_si256((const __m256i *)(q + 64)));
+                const __m256 both = _mm256_mul_ps(sv0, _mm256_loadu_ps(xspread + t * (stride / 8) + 16 * p));
+                a[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), both, a[t]);
+            }
+            if (count == 2)
+                continue;
+            __m256i w1 = _mm256_loadu_si256((const __m256i *)(wc + 64 * p + 32));
+            __m256i lo1 = _mm256_and_si256(w1, low), hi1 = _mm256_and_si256(_mm256_srli_epi16(w1, 4), low);
+            const __m256 sv1 = _mm256_permutevar8x32_ps(quad, last_pair);
+            for (int t = 0; t < rows; t++) {
+                const int8_t *q = xq + t * stride + 128 * p + 32;
+                __m256i s = DOT8(_mm256_setzero_si256(), lo1, _mm256_loadu_si256((const __m256i *)q));
+                s = DOT8(s, hi1, _mm256_loadu_si256((const __m256i *)(q + 64)));
+                const __m256 both = _mm256_mul_ps(sv1, _mm256_loadu_ps(xspread + t * (stride / 8) + 16 * p + 8));
+                a[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), both, a[t]);
+            }
+        }
+        for (int t = 0; t < rows; t++)
+            acc[t][n] = a[t];
+    }
+    store_rows(acc, mins, half, blocks, NULL, xsums, rows, y, ldy); /* the activations' scales are in `acc` */
+}
+
+/* native/int4_blocks.c's int4_blocks_matmul, same arguments and results within the same bounds. */
+void int4_blocks_matmul(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *codes, const void *scales,
+                        const void *mins, int half, int64_t N, float *y, int coarse, int threads)
+{
+    if (M <= 0)
+        return;
+    const size_t width = half ? 2 : 4;
+    const int64_t stride = coarse ? (K + 127) / 128 * 128 : K; /* bytes of a coarse row, elements of an int16 row */
+    void *xq = aligned_alloc(64, (size_t)(M * stride * (coarse ? 1 : 2) + 63) / 64 * 64);
+    float *xs = malloc((size_t)M * (coarse ? stride / 8 : 1) * sizeof(float)); /* coarse: 16 lanes a chunk */
+    float *xsums = malloc((size_t)(M * (K / 32)) * sizeof(float));
+#pragma omp parallel for num_threads(threads) schedule(static) if (M >= PARALLEL_QUANTIZE_ROWS)
+    for (int64_t m = 0; m < M; m++) {
+        if (coarse)
+            quantize_row8(x, x_bf16, m, K, (int8_t *)xq + m * stride, xs + m * (stride / 8), xsums + m * (K / 32));
+        else
+            quantize_row(x, x_bf16, m, K, (int16_t *)xq + m * K, xs + m, xsums + m * (K / 32));
+    }
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t g = 0; g < N / 16; g++) {
+        const uint8_t *c = codes + 16 * g * (K / 2);
+        const char *s = (const char *)scales + 16 * g * (K / 32) * width, *mn = (const char *)mins + 16 * g * (K / 32) * width;
+        for (int64_t m = 0; m < M; m += ROW_TILE) {
+            const int rows = M - m < ROW_TILE ? (int)(M - m) : ROW_TILE;
+            const int16_t *q = (const int16_t *)xq + m * K;
+            const int8_t *q8 = (const int8_t *)xq + m * stride;
+            const float *qs = xs + m * (coarse ? stride / 8 : 1), *qsums = xsums + m * (K / 32);
+            float *out = y + m * N + 16 * g;
+            /* one copy of the loop per mode and scale width too */
+#define GROUP(R)                                                                                                      \
+    do {                                                                                                              \
+        if (coarse && half)                                                                                           \
+            coarse_group(c, s, mn, 1, K, q8, stride, qs, qsums, R, out, N);                                           \
+        else if (coarse)                                                                                              \
+            coarse_group(c, s, mn, 0, K, q8, stride, qs, qsums, R, out, N);                                           \
+        else if (half)                                                                                                \
+            group(c, s, mn, 1, K, q, qs, qsums, R, out, N);                                                           \
+        else                                                                                                          \
+            group(c, s, mn, 0, K, q, qs, qsums, R, out, N);                                                           \
+    } while (0)
+            FOR_ROW_COUNT(rows, GROUP);
+#undef GROUP
+        }
+    }
+    free(xq);
+    free(xs);
+    free(xsums);
+}
