@@ -81,7 +81,9 @@ class Estimator:
         self._layers = model_class.cache_layout(config)
         # A vision projector's weights count as its file's size: its tensors are float32 and float16, held dense.
         self._weights = int(self.backend.resident_bytes(model_class.tensor_plan(gguf))) + (os.path.getsize(projector) if projector else 0)
-        self._compute = _compute(gguf, gguf.architecture, num_batch, num_parallel)
+        # What the backend's compute faults in beyond its tensors (kernel code pages and the like), if it says.
+        overhead = getattr(self.backend, "compute_overhead_bytes", lambda: 0)()
+        self._compute = _compute(gguf, gguf.architecture, num_batch, num_parallel) + int(overhead)
         self._heads = int(gguf.get(f"{gguf.architecture}.attention.head_count", 0) or 0)
         self._tokenizer = len(gguf.get("tokenizer.ggml.tokens", ())) * TOKENIZER_BYTES_PER_TOKEN
 
@@ -89,8 +91,9 @@ class Estimator:
         """The prediction with `num_ctx` cells per sequence (clamped to the trained context, as the runtime does)."""
         num_ctx = min(num_ctx, self.trained)
         kv = _kv_cache(self.backend, self._layers, num_ctx, self.num_parallel, self.num_batch, self.kv_cache_type)
-        # one prompt chunk's attention scores over the whole context, float32, one layer at a time
-        scores = min(self.num_batch, num_ctx) * num_ctx * self._heads * 4
+        # one prompt chunk's attention scores over the whole context, float32, one layer at a time: the scores
+        # and their softmax live together (measured: the prompt's growth in RSS, BENCHMARKS.md "Memory")
+        scores = min(self.num_batch, num_ctx) * num_ctx * self._heads * 4 * 2
         return MemoryEstimate(weights=self._weights, kv_cache=kv, compute=self._compute + scores, tokenizer=self._tokenizer)
 
 

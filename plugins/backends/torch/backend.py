@@ -31,6 +31,7 @@ INT4_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q4_K})
 HALF_SCALE_TYPES = frozenset({Q.Q4_0, Q.Q4_1})  # their scales and mins are float16 in the file: exact in it
 FLOAT_TYPES = frozenset({Q.F32, Q.F16, Q.BF16})
 PRECISIONS = ("auto", "fp32")
+COMPUTE_CODE_BYTES = 16 << 20  # see TorchBackend.compute_overhead_bytes
 
 
 def _raw_tensor(gguf: GGUFFile, info: TensorInfo) -> torch.Tensor:
@@ -156,6 +157,10 @@ class TorchBackend:
                 total += math.prod(info.shape) * self._dense_dtype(role).itemsize
             else:
                 total += predicted_bytes(layout, info)
+            if layout == "int4_packed" and self.device.type == "cpu":
+                # Its prompt chunks read the file's exact weights (Int4Weight.source): once read, those
+                # pages of the memory map stay resident in this process (measured: smollm2's 66 MB).
+                total += info.nbytes
         return total
 
     def available_bytes(self) -> int | None:
@@ -164,6 +169,11 @@ class TorchBackend:
             return None
         free, _ = torch.cuda.mem_get_info(self.device)
         return int(free)
+
+    def compute_overhead_bytes(self) -> int:
+        """Memory the first computations fault in beyond tensors: the kernels' code pages of libtorch and its
+        libraries (measured: 16 MB on CPU after a full prompt, both real models; BENCHMARKS.md "Memory")."""
+        return COMPUTE_CODE_BYTES if self.device.type == "cpu" else 0
 
     def kv_buffer_bytes(self, shape: Sequence[int], cache_type: str = "f16") -> int:
         """Memory `kv_buffer(shape, cache_type)` occupies."""
