@@ -268,3 +268,6 @@ class Backend(Protocol):
 
     def kv_buffer_bytes(self, shape: Sequence[int], cache_type: str = "f16") -> int:
         """Memory `kv_buffer(shape, cache_type)` would occupy."""
+
+    def compute_overhead_bytes(self) -> int:
+        """Optional: memory its first computations take beyond tensors and buffers (kernels' code pages); 0 if absent."""

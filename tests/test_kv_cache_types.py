@@ -175,3 +175,14 @@ async def test_http_refuses_an_unknown_cache_type_with_a_400(tiny_server):
         )
     assert response.status_code == 400
     assert "kv_cache_type" in response.json()["error"]
+
+
+async def test_http_passes_the_option_to_the_runner_which_refuses_a_model_it_cannot_quantize(tiny_server):
+    """The tiny store's llama has heads of 16 values, half a block: its runner says so, as a 400."""
+    async with httpx.AsyncClient(base_url=tiny_server, timeout=120) as client:
+        response = await client.post(
+            "/api/generate",
+            json={"model": "tiny-llama", "prompt": "hi", "stream": False, "options": {"kv_cache_type": "q8_0", "num_predict": 2}},
+        )
+    assert response.status_code == 400
+    assert "multiple of 32" in response.json()["error"] and "use f16" in response.json()["error"]
