@@ -1,6 +1,6 @@
 """How far corral's fast paths (and llama.cpp, when installed) are from the float32 reference.
 
-    python benchmarks/accuracy.py [--models smollm2 gemma3] [--no-llama-cpp]
+    python benchmarks/accuracy.py [--models smollm2 gemma3] [--no-llama-cpp] [--kv-cache-types f16 q8_0 q4_0]
     python benchmarks/accuracy.py --reference F32.gguf --files Q.gguf... --text FILE
         [--ctx 256] [--chunks 8] [--llama-perplexity PATH/llama-perplexity] [--exact]
 
@@ -9,7 +9,9 @@ weights): the prompt in one forward (the prompt path), then the reference's gree
 time through the KV cache (the decode path). For each, the deviation of the logits of the
 reference's top 10 from the reference's values (max and mean), how often the argmax agrees, and
 the misses at clear-margin steps (top-2 margin > 1.0, what the tests require). llama.cpp is
-measured the same way with `logits_all`. Prints a markdown table.
+measured the same way with `logits_all`. Prints a markdown table. With --kv-cache-types, corral
+runs once per KV cache type (Ollama's OLLAMA_KV_CACHE_TYPE; default f16 only): the rows of q8_0 and
+q4_0 show what holding the cached keys and values in ggml's blocks costs, mostly on the decode path.
 
 With --reference, quantized files made from one float file (e.g. by llama-quantize) are measured
 against corral at precision "fp32" on that file, over `--text` cut as llama-perplexity cuts it:
@@ -36,6 +38,7 @@ import numpy as np
 import corral
 from corral.engine import resolve_model_path
 from corral.model import Batch
+from corral.options import KV_CACHE_TYPES
 
 REFERENCE = pathlib.Path(__file__).resolve().parent.parent / "tests" / "reference"
 NAMES = {"smollm2": "smollm2", "gemma3": "gemma3:270m"}
@@ -43,9 +46,9 @@ CLEAR_MARGIN = 1.0
 KLD_FLOOR = -16.0
 
 
-def corral_logits(model, prompt: list[int], steps: list[int]) -> tuple[np.ndarray, np.ndarray]:
-    """Prompt rows from one forward; then one row per step, decoding the reference's tokens."""
-    cache = model.new_cache(len(prompt) + len(steps) + 1)
+def corral_logits(model, prompt: list[int], steps: list[int], cache_type: str = "f16") -> tuple[np.ndarray, np.ndarray]:
+    """Prompt rows from one forward; then one row per step, decoding the reference's tokens, over a `cache_type` KV cache."""
+    cache = model.new_cache(len(prompt) + len(steps) + 1, cache_type=cache_type)
     prompt_rows = model.forward(Batch.single(prompt, all_logits=True), cache)
     rows = [prompt_rows[-1]]
     for i, token in enumerate(steps[:-1]):
@@ -243,6 +246,7 @@ def main() -> None:
     parser.add_argument("--ctx", type=int, default=256, help="tokens a chunk, as llama-perplexity's -c")
     parser.add_argument("--chunks", type=int, default=8)
     parser.add_argument("--llama-perplexity", help="llama.cpp's llama-perplexity binary, to measure llama.cpp on the same files")
+    parser.add_argument("--kv-cache-types", nargs="+", default=["f16"], choices=list(KV_CACHE_TYPES), help="corral's KV cache types to measure")
     parser.add_argument("--exact", action="store_true", help="also each file at precision fp32: the error of its weights alone")
     args = parser.parse_args()
     if args.reference:
@@ -256,7 +260,10 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for name in args.models:
         model = corral.load_model(NAMES[name])
-        engines = [("corral", lambda p, s, m=model: corral_logits(m, p, s))]
+        engines = [
+            ("corral" if kind == "f16" else f"corral kv {kind}", lambda p, s, m=model, kind=kind: corral_logits(m, p, s, kind))
+            for kind in args.kv_cache_types
+        ]
         if not args.no_llama_cpp:
             engines.append(("llama.cpp", lambda p, s, path=str(resolve_model_path(NAMES[name])): llama_cpp_logits(path, p, s)))
         for engine, run in engines:

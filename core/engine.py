@@ -22,7 +22,7 @@ from gguf import LlamaFileType
 
 from corral.errors import CorralError
 from corral.gguf import GGUFFile
-from corral.kvcache import CausalCache
+from corral.kvcache import DEFAULT_KV_CACHE_TYPE, CausalCache
 from corral.memory import release_freed_memory, reuse_large_buffers
 from corral.model import Batch
 from corral.registry import Plugins
@@ -120,13 +120,15 @@ class LoadedModel:
         """Text of token ids."""
         return self.tokenizer.decode(list(ids))
 
-    def new_cache(self, num_cells: int, window_cells: int | None = None, num_seqs: int | None = None) -> CausalCache:
+    def new_cache(
+        self, num_cells: int, window_cells: int | None = None, num_seqs: int | None = None, cache_type: str = DEFAULT_KV_CACHE_TYPE
+    ) -> CausalCache:
         """A KV cache with room for `num_cells` tokens (see CausalCache); mirrored on the other ranks of a split model."""
         if self.ranks is None:
-            return CausalCache(self.backend, self.model.cache_layers(), num_cells, window_cells, num_seqs)
+            return CausalCache(self.backend, self.model.cache_layers(), num_cells, window_cells, num_seqs, cache_type)
         from corral.parallel.mirror import MirroredCache
 
-        return MirroredCache(self.ranks, self.backend, self.model.cache_layers(), num_cells, window_cells, num_seqs)
+        return MirroredCache(self.ranks, self.backend, self.model.cache_layers(), num_cells, window_cells, num_seqs, cache_type)
 
     def close(self) -> None:
         """Stop the other ranks of a split model (nothing to do for a model in one process)."""

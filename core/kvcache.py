@@ -18,12 +18,21 @@ import numpy as np
 
 from corral.errors import CorralError
 from corral.model import Batch, CacheLayer
+from corral.options import DEFAULT_KV_CACHE_TYPE, KV_CACHE_TYPES, InvalidOptionError
 
 EMPTY = -1
 
 
 class CacheFullError(CorralError):
     """No free cells for the batch; the context is full."""
+
+
+def checked_kv_cache_type(value: object, source: str = "kv_cache_type") -> str:
+    """`value`, a KV cache type name (KV_CACHE_TYPES); InvalidOptionError naming `source` otherwise."""
+    name = value.strip() if isinstance(value, str) else value
+    if name not in KV_CACHE_TYPES:
+        raise InvalidOptionError(f"{source} must be one of {', '.join(KV_CACHE_TYPES)}, got {value!r}")
+    return name
 
 
 class CellPool:
@@ -191,6 +200,7 @@ class CausalCache:
     `num_cells` sizes the global pool (num_ctx x parallel sequences); a sliding-window pool gets
     `window_cells` (default: enough for every sequence's window plus a batch). With `num_seqs`,
     every pool is split into that many per-sequence regions (batch-invariant attention).
+    `cache_type` (KV_CACHE_TYPES) says how the backend holds the buffers.
     """
 
     def __init__(
@@ -200,9 +210,11 @@ class CausalCache:
         num_cells: int,
         window_cells: int | None = None,
         num_seqs: int | None = None,
+        cache_type: str = DEFAULT_KV_CACHE_TYPE,
     ):
         self.backend = backend
         self.layers = layers
+        self.cache_type = checked_kv_cache_type(cache_type)
         windows = self._windows(layers)
         self.pools = []
         for window in windows:
@@ -211,8 +223,8 @@ class CausalCache:
         self.layer_pool = [windows.index(layer.window) for layer in layers]
         self.keys, self.values = [], []
         for shapes in self.buffer_shapes(layers, [self.pools[pool].num_cells for pool in self.layer_pool]):
-            self.keys.append(backend.kv_buffer(shapes[0]))
-            self.values.append(backend.kv_buffer(shapes[1]))
+            self.keys.append(backend.kv_buffer(shapes[0], self.cache_type))
+            self.values.append(backend.kv_buffer(shapes[1], self.cache_type))
 
     @classmethod
     def layer_cells(

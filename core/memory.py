@@ -24,7 +24,7 @@ import attrs
 
 from corral.errors import CorralError
 from corral.gguf import GGUFFile
-from corral.kvcache import CausalCache, runtime_cells
+from corral.kvcache import DEFAULT_KV_CACHE_TYPE, CausalCache, runtime_cells
 from corral.model import config_from_gguf
 from corral.registry import Plugins
 
@@ -68,7 +68,7 @@ class Estimator:
     """The memory prediction of one file on one backend, for any context (the file is read once)."""
 
     def __init__(self, path: str | os.PathLike, num_parallel: int, num_batch: int = 512, plugins: Plugins | None = None,
-                 backend: Any = None, projector: str | os.PathLike | None = None):
+                 backend: Any = None, projector: str | os.PathLike | None = None, kv_cache_type: str = DEFAULT_KV_CACHE_TYPE):
         plugins = plugins or Plugins()
         gguf = GGUFFile.open(path)
         model_class = plugins.architecture_for(gguf)
@@ -77,39 +77,42 @@ class Estimator:
         self.trained = int(config.context_length)
         # As the runtime does: a batch never exceeds the context, so a huge num_batch predicts no huge buffer.
         num_batch = max(1, min(num_batch, self.trained))
-        self.num_parallel, self.num_batch = num_parallel, num_batch
+        self.num_parallel, self.num_batch, self.kv_cache_type = num_parallel, num_batch, kv_cache_type
         self._layers = model_class.cache_layout(config)
         # A vision projector's weights count as its file's size: its tensors are float32 and float16, held dense.
         self._weights = int(self.backend.resident_bytes(model_class.tensor_plan(gguf))) + (os.path.getsize(projector) if projector else 0)
-        self._compute = _compute(gguf, gguf.architecture, num_batch, num_parallel)
+        # What the backend's compute faults in beyond its tensors (kernel code pages and the like), if it says.
+        overhead = getattr(self.backend, "compute_overhead_bytes", lambda: 0)()
+        self._compute = _compute(gguf, gguf.architecture, num_batch, num_parallel) + int(overhead)
         self._heads = int(gguf.get(f"{gguf.architecture}.attention.head_count", 0) or 0)
         self._tokenizer = len(gguf.get("tokenizer.ggml.tokens", ())) * TOKENIZER_BYTES_PER_TOKEN
 
     def __call__(self, num_ctx: int) -> MemoryEstimate:
         """The prediction with `num_ctx` cells per sequence (clamped to the trained context, as the runtime does)."""
         num_ctx = min(num_ctx, self.trained)
-        kv = _kv_cache(self.backend, self._layers, num_ctx, self.num_parallel, self.num_batch)
-        # one prompt chunk's attention scores over the whole context, float32, one layer at a time
-        scores = min(self.num_batch, num_ctx) * num_ctx * self._heads * 4
+        kv = _kv_cache(self.backend, self._layers, num_ctx, self.num_parallel, self.num_batch, self.kv_cache_type)
+        # one prompt chunk's attention scores over the whole context, float32, one layer at a time: the scores
+        # and their softmax live together (measured: the prompt's growth in RSS, BENCHMARKS.md "Memory")
+        scores = min(self.num_batch, num_ctx) * num_ctx * self._heads * 4 * 2
         return MemoryEstimate(weights=self._weights, kv_cache=kv, compute=self._compute + scores, tokenizer=self._tokenizer)
 
 
 def estimate(
     path: str | os.PathLike, num_ctx: int, num_parallel: int, num_batch: int = 512, plugins: Plugins | None = None,
-    projector: str | os.PathLike | None = None,
+    projector: str | os.PathLike | None = None, kv_cache_type: str = DEFAULT_KV_CACHE_TYPE,
 ) -> MemoryEstimate:
     """Bytes the model at `path` (and its vision `projector`) will need with this context, parallelism and batch size.
 
     Raises UnknownArchitectureError when no installed plugin runs the file, and what binding raises
     (missing metadata or tensors) when the file does not match its architecture.
     """
-    return Estimator(path, num_parallel, num_batch, plugins, projector=projector)(num_ctx)
+    return Estimator(path, num_parallel, num_batch, plugins, projector=projector, kv_cache_type=kv_cache_type)(num_ctx)
 
 
 def plan_load(
     path: str | os.PathLike, num_ctx: int, num_parallel: int, num_batch: int = 512, plugins: Plugins | None = None,
     device: str | None = None, precision: str = "auto", available: int | None = None, lower_context: bool = True,
-    projector: str | os.PathLike | None = None,
+    projector: str | os.PathLike | None = None, kv_cache_type: str = DEFAULT_KV_CACHE_TYPE,
 ) -> LoadPlan:
     """The context to load `path` with so that the prediction fits in `available` (default: what is free now).
 
@@ -117,7 +120,8 @@ def plan_load(
     scheduler first tries that way, to unload idle models before it takes context from a new one).
     """
     plugins = plugins or Plugins()
-    estimator = Estimator(path, num_parallel, num_batch, plugins, plugins.open_backend(device=device, precision=precision), projector)
+    backend = plugins.open_backend(device=device, precision=precision)
+    estimator = Estimator(path, num_parallel, num_batch, plugins, backend, projector, kv_cache_type)
     if available is None:
         available = available_bytes(estimator.backend)
     num_ctx = min(num_ctx, estimator.trained)
@@ -161,11 +165,11 @@ def _mib(count: int) -> str:
     return f"{count / (1 << 20):.0f} MiB"
 
 
-def _kv_cache(backend: Any, layers: list, num_ctx: int, num_parallel: int, num_batch: int) -> int:
+def _kv_cache(backend: Any, layers: list, num_ctx: int, num_parallel: int, num_batch: int, cache_type: str) -> int:
     num_cells, window_cells = runtime_cells(layers, num_ctx, num_parallel, num_batch)
     cells = CausalCache.layer_cells(layers, num_cells, window_cells, num_parallel)
     return sum(
-        backend.kv_buffer_bytes(keys) + backend.kv_buffer_bytes(values)
+        backend.kv_buffer_bytes(keys, cache_type) + backend.kv_buffer_bytes(values, cache_type)
         for keys, values in CausalCache.buffer_shapes(layers, cells)
     )
 

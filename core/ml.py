@@ -245,8 +245,11 @@ class Backend(Protocol):
         entering only through `ctx.input(batch.<field>)`.
         """
 
-    def kv_buffer(self, shape: Sequence[int]) -> Any:
-        """A zeroed native buffer for the KV cache [kv_heads, cells, dim]; under tensor parallelism, of the rank's KV heads."""
+    def kv_buffer(self, shape: Sequence[int], cache_type: str = "f16") -> Any:
+        """A zeroed native buffer for the KV cache [kv_heads, cells, dim]; under tensor parallelism, of the rank's KV heads.
+
+        `cache_type` is one of corral.options.KV_CACHE_TYPES: "f16" (16-bit floats), or ggml's "q8_0" / "q4_0"
+        blocks; InvalidOptionError where the backend cannot hold these shapes that way."""
 
     def from_numpy(self, array: np.ndarray) -> Any:
         """A native tensor on the backend's device (cache slots, masks)."""
@@ -263,5 +266,8 @@ class Backend(Protocol):
         Raises UnsupportedTensorTypeError, as `load_tensor` would, for a type the backend cannot load.
         """
 
-    def kv_buffer_bytes(self, shape: Sequence[int]) -> int:
-        """Memory `kv_buffer(shape)` would occupy."""
+    def kv_buffer_bytes(self, shape: Sequence[int], cache_type: str = "f16") -> int:
+        """Memory `kv_buffer(shape, cache_type)` would occupy."""
+
+    def compute_overhead_bytes(self) -> int:
+        """Optional: memory its first computations take beyond tensors and buffers (kernels' code pages); 0 if absent."""

@@ -21,7 +21,11 @@ from corral.errors import CorralError
 log = logging.getLogger(__name__)
 
 # Changing one of these forces the model to be reloaded.
-LOAD_TIME_OPTIONS = ("num_ctx", "num_batch", "num_gpu", "num_thread", "tensor_parallel", "pipeline_parallel")
+LOAD_TIME_OPTIONS = ("num_ctx", "num_batch", "num_gpu", "num_thread", "tensor_parallel", "pipeline_parallel", "kv_cache_type")
+# How the KV cache holds keys and values (core/kvcache.py), named as Ollama's OLLAMA_KV_CACHE_TYPE names them:
+# 16-bit floats (the default), or ggml's q8_0 / q4_0 blocks of 32 values and a scale (about 1/2 and 1/4 of the memory).
+KV_CACHE_TYPES = ("f16", "q8_0", "q4_0")
+DEFAULT_KV_CACHE_TYPE = "f16"
 
 
 class InvalidOptionError(CorralError):
@@ -60,6 +64,7 @@ class Options:
     num_thread: int = option(0, int, Check(0))  # 0: the runtime decides
     tensor_parallel: int = option(0, int, Check(0))  # ranks the model is split over (corral.parallel); 0: the server's default
     pipeline_parallel: int = option(0, int, Check(0))  # stages the model's blocks are split into; 0: the server's default
+    kv_cache_type: str | None = option(None, "kv_cache_type")  # KV_CACHE_TYPES; None: the server's (OLLAMA_KV_CACHE_TYPE)
     num_keep: int = option(4, int, Check(-1))  # -1: the whole prompt
     num_predict: int = option(-1, int, Check(-2))  # -1: unlimited, -2: until the context is full
     stop: tuple[str, ...] = option((), "strings")
@@ -216,6 +221,10 @@ def _instance_of(kind: type) -> Callable[[Any], Any]:
     return lambda value: value if isinstance(value, kind) else _INVALID
 
 
+def _to_kv_cache_type(value: Any) -> Any:
+    return value if isinstance(value, str) and value in KV_CACHE_TYPES else _INVALID
+
+
 CONVERTERS: dict[type | str, Callable[[Any], Any]] = {
     int: _to_int,
     float: _to_float,
@@ -223,6 +232,7 @@ CONVERTERS: dict[type | str, Callable[[Any], Any]] = {
     bool: _instance_of(bool),
     str: _instance_of(str),
     "token_biases": _to_token_biases,
+    "kv_cache_type": _to_kv_cache_type,
 }
 
 _TEXT_PARSERS: dict[type | str, Callable[[str], Any]] = {
@@ -239,6 +249,7 @@ _DESCRIPTIONS = {
     bool: "true or false",
     str: "a string",
     "token_biases": f"an object mapping token ids to biases from {-MAX_LOGIT_BIAS:g} to {MAX_LOGIT_BIAS:g}",
+    "kv_cache_type": f"one of {', '.join(KV_CACHE_TYPES)}",
 }
 
 
@@ -254,6 +265,7 @@ def _show(value: Any) -> str:
 # --- the same declarations as JSON schema (/openapi.json): the schema rejects what parsing rejects ----------
 
 _KIND_SCHEMAS: dict[type | str, dict] = {
+    "kv_cache_type": {"type": "string", "enum": list(KV_CACHE_TYPES), "description": "How the KV cache holds keys and values (a load-time option)"},
     int: {"type": "integer"},
     float: {"type": "number"},
     bool: {"type": "boolean"},

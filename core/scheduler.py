@@ -23,6 +23,7 @@ import trio
 from corral import memory
 from corral.discover import context_default, effective_num_ctx, system_info
 from corral.errors import CorralError, ModelNotFoundError
+from corral.kvcache import DEFAULT_KV_CACHE_TYPE, checked_kv_cache_type
 from corral.modelfile import model_defaults
 from corral.options import LOAD_TIME_OPTIONS, STANDARD_OPTIONS, parse_options
 from corral.parallel.shards import check_split
@@ -92,6 +93,15 @@ def setting(name: str, default: int) -> int:
     return default
 
 
+def kv_cache_type_from_env() -> str:
+    """CORRAL_KV_CACHE_TYPE, else Ollama's OLLAMA_KV_CACHE_TYPE, else f16; a clear error naming the variable for another value."""
+    for key in ("CORRAL_KV_CACHE_TYPE", "OLLAMA_KV_CACHE_TYPE"):
+        value = os.environ.get(key, "").strip()
+        if value:
+            return checked_kv_cache_type(value, key)
+    return DEFAULT_KV_CACHE_TYPE
+
+
 def keep_alive_from_env() -> float:
     """CORRAL_KEEP_ALIVE (or OLLAMA_KEEP_ALIVE), else five minutes."""
     for key in ("CORRAL_KEEP_ALIVE", "OLLAMA_KEEP_ALIVE"):
@@ -149,6 +159,7 @@ class Scheduler:
         runner: str | None = None,
         tensor_parallel: int | None = None,
         pipeline_parallel: int | None = None,
+        kv_cache_type: str | None = None,
     ):
         self.store = store or default_store()
         self.plugins = plugins or Plugins()
@@ -162,6 +173,7 @@ class Scheduler:
         # Ranks (stages) each model is split over unless a request's `tensor_parallel` (`pipeline_parallel`) option says otherwise.
         self.tensor_parallel = tensor_parallel or _positive_env("CORRAL_TENSOR_PARALLEL", 1)
         self.pipeline_parallel = pipeline_parallel or _positive_env("CORRAL_PIPELINE_PARALLEL", 1)
+        self.kv_cache_type = kv_cache_type or kv_cache_type_from_env()  # unless a request's `kv_cache_type` option says otherwise
         if self.runner not in RUNNERS:
             raise CorralError(f"CORRAL_RUNNER must be one of {', '.join(RUNNERS)}, not {self.runner!r}")
         self.loaded: dict[str, Loaded] = {}
@@ -325,7 +337,10 @@ class Scheduler:
         """The model's runner: a child process by default (a native crash cannot take the server down), or in-process.
 
         `projector`: the model's vision projector file, loaded beside it."""
-        sizes = dict(num_parallel=self.num_parallel, num_ctx=num_ctx, num_batch=num_batch, lower_context=lower_context)
+        sizes = dict(
+            num_parallel=self.num_parallel, num_ctx=num_ctx, num_batch=num_batch, lower_context=lower_context,
+            kv_cache_type=load_options.get("kv_cache_type") or self.kv_cache_type,
+        )
         num_thread = load_options.get("num_thread") or 0
         splits = self._splits(load_options)
         projector = str(projector) if projector else None

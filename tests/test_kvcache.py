@@ -12,7 +12,7 @@ from corral.model import Batch, CacheLayer
 class ArrayBackend:
     """The two backend calls CausalCache makes, on numpy arrays."""
 
-    def kv_buffer(self, shape):
+    def kv_buffer(self, shape, cache_type="f16"):
         return np.zeros(shape, dtype=np.float32)
 
     def from_numpy(self, array):

@@ -30,11 +30,12 @@ class MirroredCache(CausalCache):
         num_cells: int,
         window_cells: int | None = None,
         num_seqs: int | None = None,
+        cache_type: str = "f16",
     ):
-        super().__init__(backend, layers, num_cells, window_cells, num_seqs)
+        super().__init__(backend, layers, num_cells, window_cells, num_seqs, cache_type)
         self.ranks = ranks
         self.id = ranks.new_cache_id()
-        ranks.queue("cache", self.id, num_cells, window_cells, num_seqs)  # each rank lays out its own part of the layers
+        ranks.queue("cache", self.id, num_cells, window_cells, num_seqs, cache_type)  # each rank lays out its own part of the layers
         weakref.finalize(self, ranks.queue, "drop", self.id)
 
     def prepare(self, batch: Batch) -> CacheView:

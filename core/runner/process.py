@@ -155,6 +155,7 @@ class RunnerProcess:
         tensor_parallel: int = 1,
         pipeline_parallel: int = 1,
         precision: str = "auto",
+        kv_cache_type: str = "f16",
         device: str | None = None,
         template: str | None = None,
         projector: str | os.PathLike | None = None,
@@ -175,7 +176,7 @@ class RunnerProcess:
             sys.executable, "-X", "faulthandler", "-m", "corral.runner", "--model", path,
             "--num-parallel", str(num_parallel), "--num-ctx", str(num_ctx), "--num-batch", str(num_batch),
             "--precision", precision, "--num-thread", str(num_thread), "--tensor-parallel", str(tensor_parallel),
-            "--pipeline-parallel", str(pipeline_parallel),
+            "--pipeline-parallel", str(pipeline_parallel), "--kv-cache-type", kv_cache_type,
         ] + (["--device", device] if device else []) + (["--projector", os.fspath(projector)] if projector else []) + (
             [] if lower_context else ["--keep-context"]
         )

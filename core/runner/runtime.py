@@ -23,7 +23,7 @@ from corral import memory
 from corral.engine import LoadedModel, ModelInfo, load_model, resolve_model_path
 from corral.errors import CorralError
 from corral.grammar import Grammar, GrammarMatcher, compile_format
-from corral.kvcache import CausalCache, runtime_cells
+from corral.kvcache import DEFAULT_KV_CACHE_TYPE, CausalCache, checked_kv_cache_type, runtime_cells
 from corral.options import InvalidOptionError, Options, parse_options
 from corral.pooling import POOLINGS, normalize, shorten
 from corral.registry import Plugins
@@ -71,10 +71,10 @@ class Request:
             self.state = RequestState.FINISHED
 
 
-def new_cache(model: LoadedModel, num_ctx: int, num_parallel: int, num_batch: int) -> CausalCache:
+def new_cache(model: LoadedModel, num_ctx: int, num_parallel: int, num_batch: int, cache_type: str = DEFAULT_KV_CACHE_TYPE) -> CausalCache:
     """The KV cache of a runtime: num_ctx cells per sequence, sliding-window layers their window and a batch."""
     num_cells, window_cells = runtime_cells(model.model.cache_layers(), num_ctx, num_parallel, num_batch)
-    return model.new_cache(num_cells, window_cells, num_seqs=num_parallel)
+    return model.new_cache(num_cells, window_cells, num_seqs=num_parallel, cache_type=cache_type)
 
 
 class Runtime:
@@ -119,6 +119,7 @@ class Runtime:
         pipeline_parallel: int = 1,
         projector: str | None = None,
         lower_context: bool = True,
+        kv_cache_type: str = DEFAULT_KV_CACHE_TYPE,
     ) -> AsyncIterator[Runtime]:
         """Load `model` (a store name or a GGUF path) and serve it until the block exits.
 
@@ -131,7 +132,9 @@ class Runtime:
         `projector`: a vision projector (mmproj) file loaded beside the model, so requests may carry images.
         Before loading a file, its memory estimate is checked against what is free: the context is lowered
         to fit, or (`lower_context` false, or nothing fits) InsufficientMemoryError is raised.
+        `kv_cache_type` (f16, q8_0 or q4_0, as Ollama's OLLAMA_KV_CACHE_TYPE) says how the KV cache holds keys and values.
         """
+        kv_cache_type = checked_kv_cache_type(kv_cache_type)
         for key, value in (("tensor_parallel", tensor_parallel), ("pipeline_parallel", pipeline_parallel)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidOptionError(f"{key} must be a positive integer, got {value!r}")
@@ -144,7 +147,7 @@ class Runtime:
             path = await trio.to_thread.run_sync(resolve_model_path, model)
             plan = await compute.run(functools.partial(
                 memory.plan_load, path, num_ctx, num_parallel, num_batch, plugins,
-                device=device, precision=precision, lower_context=lower_context, projector=projector,
+                device=device, precision=precision, lower_context=lower_context, projector=projector, kv_cache_type=kv_cache_type,
             ))
             num_ctx, estimate = plan.num_ctx, plan.estimate.total
             owned = loaded = await compute.run(
@@ -154,7 +157,7 @@ class Runtime:
                 )
             )
         try:
-            async with cls._serve(loaded, plugins, template, num_parallel, num_ctx, num_batch, estimate) as runtime:
+            async with cls._serve(loaded, plugins, template, num_parallel, num_ctx, num_batch, estimate, kv_cache_type) as runtime:
                 yield runtime
         finally:
             if owned is not None:
@@ -164,7 +167,7 @@ class Runtime:
     @contextlib.asynccontextmanager
     async def _serve(
         cls, loaded: LoadedModel, plugins: Plugins, template: str | None, num_parallel: int, num_ctx: int, num_batch: int,
-        estimate: int,
+        estimate: int, kv_cache_type: str,
     ) -> AsyncIterator[Runtime]:
         if template:
             loaded = loaded.with_template(template)  # a model the caller passed in stays as it was
@@ -174,7 +177,7 @@ class Runtime:
             # An image's rows go in one pass (they attend to each other), so a pass must hold one: as llama.cpp
             # asks n_batch >= an image's tokens, the batch grows to it.
             num_batch = max(num_batch, loaded.vision.tokens_per_image)
-        cache = await compute.run(new_cache, loaded, min(num_ctx, loaded.info.context_length), num_parallel, num_batch)
+        cache = await compute.run(new_cache, loaded, min(num_ctx, loaded.info.context_length), num_parallel, num_batch, kv_cache_type)
         async with trio.open_nursery() as nursery:
             runtime = cls(loaded, cache, nursery, plugins, num_parallel, num_ctx, num_batch, estimate)
             await nursery.start(runtime.batcher.run)

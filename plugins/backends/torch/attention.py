@@ -6,6 +6,9 @@ native kernel (CPU), every row of the batch, prompt or decode, is one call that 
 (row, kv head) on its own in float32. Otherwise: one SDPA call per sequence, or one call for the
 decode rows of sequences reading the same number of cells; which path and dtype a sequence takes
 depends only on its own rows and cells.
+
+A quantized cache (kv_cells.py) takes the SDPA path: each call dequantizes the cells it reads,
+which are the same cells, giving the same bits, alone or batched.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from corral.plugins.backends.torch import native
+from corral.plugins.backends.torch.kv_cells import QuantizedCells, read_cells, write_cells
 
 # Query rows of one sequence from which its attention runs in float32 (see _compute_dtype).
 FLOAT_ATTENTION_ROWS = 32
@@ -75,25 +79,26 @@ def attention(
     if memo is None:
         memo = AttentionMemo()
     if softcap is not None or sinks is not None:
-        _write_cells(keys, cells, k)
-        _write_cells(values, cells, v)
+        write_cells(keys, cells, k)
+        write_cells(values, cells, v)
         return _scored_attention(q, keys, values, groups, scale, softcap, sinks)
-    if memo.takes_row_attention(q, keys, values):
+    quantized = isinstance(keys, QuantizedCells)
+    if not quantized and memo.takes_row_attention(q, keys, values):
         regions, decode_only = memo.row_regions(groups, cells, q.shape[0])
         if decode_only:
             # Decode rows only: the kernel stores their keys and values itself (one call, not three).
             return native.row_attention(q, keys, values, regions, scale, (k, v)).reshape(q.shape[0], -1)
-        _write_cells(keys, cells, k)
-        _write_cells(values, cells, v)
+        write_cells(keys, cells, k)
+        write_cells(values, cells, v)
         return native.row_attention(q, keys, values, regions, scale).reshape(q.shape[0], -1)
-    _write_cells(keys, cells, k)
-    _write_cells(values, cells, v)
+    write_cells(keys, cells, k)
+    write_cells(values, cells, v)
     gqa = q.shape[1] != k.shape[1]
     # Decode rows of sequences in step share a call; every other sequence gets its own.
     if len(groups) == 1:  # one sequence (batch-1 decode, a lone prompt): no bookkeeping
         (group,) = groups
         queries = q.to(_compute_dtype(q.shape[0], keys.dtype)).transpose(0, 1).unsqueeze(0)
-        return _sequence_attention(queries, keys.unsqueeze(0), values.unsqueeze(0), group, scale, gqa).reshape(q.shape[0], -1)
+        return _sequence_attention(queries, keys, values, group, scale, gqa).reshape(q.shape[0], -1)
     attended: list[Any] = [None] * len(groups)
     for members in _decode_batches(groups):
         results = _decode_attention(q, keys, values, [groups[i] for i in members], scale, gqa)
@@ -102,13 +107,12 @@ def attention(
     alone = [i for i, result in enumerate(attended) if result is None]
     dtypes = {i: _compute_dtype(_row_count(groups[i].rows), keys.dtype) for i in alone}
     queries = {dtype: q.to(dtype).transpose(0, 1).unsqueeze(0) for dtype in set(dtypes.values())}  # [1, heads, n, dim]
-    keys, values = keys.unsqueeze(0), values.unsqueeze(0)
     for i in alone:
         attended[i] = _sequence_attention(queries[dtypes[i]][:, :, groups[i].rows], keys, values, groups[i], scale, gqa)
     if _in_row_order(groups, q.shape[0]):
         out = attended[0] if len(attended) == 1 else torch.cat(attended)
     else:
-        out = keys.new_empty((q.shape[0], q.shape[1], values.shape[-1]))
+        out = q.new_empty((q.shape[0], q.shape[1], values.shape[-1]), dtype=keys.dtype)
         for group, result in zip(groups, attended):
             out[group.rows] = result
     return out.reshape(q.shape[0], -1)
@@ -125,8 +129,8 @@ def _scored_attention(
     for group in groups:
         cells = slice(group.start, group.start + group.used)
         queries = q[group.rows].float().transpose(0, 1)  # [heads, rows, dim]
-        k = keys[:, cells].float().repeat_interleave(heads // kv_heads, dim=0)  # [heads, used, dim]
-        v = values[:, cells].float().repeat_interleave(heads // kv_heads, dim=0)
+        k = read_cells(keys, lambda t: t[:, cells]).float().repeat_interleave(heads // kv_heads, dim=0)  # [heads, used, dim]
+        v = read_cells(values, lambda t: t[:, cells]).float().repeat_interleave(heads // kv_heads, dim=0)
         scores = torch.matmul(queries, k.transpose(1, 2)) * scale  # [heads, rows, used]
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap
@@ -149,22 +153,15 @@ def _compute_dtype(rows: int, cached: torch.dtype) -> torch.dtype:
     return torch.float32 if rows >= FLOAT_ATTENTION_ROWS else cached
 
 
-def _write_cells(buffer: torch.Tensor, cells: Any, new: torch.Tensor) -> None:
-    """Store rows [n, heads, dim] into cache cells (a slice or an index) of buffer [heads, cells, dim]."""
-    if isinstance(cells, slice):
-        buffer[:, cells].copy_(new.transpose(0, 1))  # one kernel, converting as it copies
-    else:
-        buffer.index_copy_(1, cells, new.transpose(0, 1).to(buffer.dtype))
 
 
-def _sequence_attention(
-    queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, group: Any, scale: float, gqa: bool
-) -> torch.Tensor:
+
+def _sequence_attention(queries: torch.Tensor, keys: Any, values: Any, group: Any, scale: float, gqa: bool) -> torch.Tensor:
     """One sequence's attention [rows, heads, dim], in the cache's dtype, computed in the queries'
-    dtype: queries [1, heads, rows, dim] over its cells of keys and values [1, kv_heads, cells, dim]."""
+    dtype: queries [1, heads, rows, dim] over its cells of the keys and values buffers [kv_heads, cells, dim]."""
     cells = slice(group.start, group.start + group.used)
     cached = keys.dtype
-    keys, values = keys[:, :, cells], values[:, :, cells]
+    keys, values = (read_cells(buffer, lambda t: t[:, cells]).unsqueeze(0) for buffer in (keys, values))
     if queries.dtype != cached:
         keys, values = keys.to(queries.dtype), values.to(queries.dtype)
     out = _sdpa(queries, keys, values, group.mask, scale, gqa)[0]
@@ -216,7 +213,8 @@ def _decode_attention(
     consecutive = rows == list(range(rows[0], rows[0] + len(rows)))
     queries = (q[rows[0] : rows[0] + len(rows)] if consecutive else q[rows]).to(keys.dtype).unsqueeze(2)  # [seqs, heads, 1, dim]
     starts, used = [group.start for group in groups], groups[0].used
-    out = _sdpa(queries, _regions(keys, starts, used), _regions(values, starts, used), None, scale, gqa)
+    keys, values = (read_cells(buffer, lambda t: _regions(t, starts, used)) for buffer in (keys, values))
+    out = _sdpa(queries, keys, values, None, scale, gqa)
     return list(out.transpose(1, 2).unbind(0))
 
 

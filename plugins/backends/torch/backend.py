@@ -12,6 +12,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from corral.errors import UnsupportedTensorTypeError
+from corral.options import InvalidOptionError
 from corral.gguf import GGUFFile, TensorInfo
 from corral.model import Batch
 from corral.parallel.shards import Shard, TensorParallel
@@ -21,6 +22,7 @@ from corral.plugins.backends.torch.dequantize import DEQUANTIZERS, INT4_GROUP, d
 from corral.plugins.backends.torch.experts import ExpertWeights
 from corral.plugins.backends.torch.fusion import stack_weights
 from corral.plugins.backends.torch.graph import GraphCache
+from corral.plugins.backends.torch.kv_cells import QuantizedCells
 from corral.plugins.backends.torch.int4_packing import pack_int4_for_cpu, pack_int4_for_cuda
 from corral.plugins.backends.torch.sharding import shard_tensor
 from corral.plugins.backends.torch.layouts import DenseWeight, Int4Blocks, Int4Weight, Int8Weight, MappedRows, RescoredLogits, requantized_int4
@@ -29,6 +31,7 @@ INT4_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q4_K})
 HALF_SCALE_TYPES = frozenset({Q.Q4_0, Q.Q4_1})  # their scales and mins are float16 in the file: exact in it
 FLOAT_TYPES = frozenset({Q.F32, Q.F16, Q.BF16})
 PRECISIONS = ("auto", "fp32")
+COMPUTE_CODE_BYTES = 16 << 20  # see TorchBackend.compute_overhead_bytes
 
 
 def _raw_tensor(gguf: GGUFFile, info: TensorInfo) -> torch.Tensor:
@@ -154,6 +157,10 @@ class TorchBackend:
                 total += math.prod(info.shape) * self._dense_dtype(role).itemsize
             else:
                 total += predicted_bytes(layout, info)
+            if layout == "int4_packed" and self.device.type == "cpu":
+                # Its prompt chunks read the file's exact weights (Int4Weight.source): once read, those
+                # pages of the memory map stay resident in this process (measured: smollm2's 66 MB).
+                total += info.nbytes
         return total
 
     def available_bytes(self) -> int | None:
@@ -163,8 +170,15 @@ class TorchBackend:
         free, _ = torch.cuda.mem_get_info(self.device)
         return int(free)
 
-    def kv_buffer_bytes(self, shape: Sequence[int]) -> int:
-        """Memory `kv_buffer(shape)` occupies."""
+    def compute_overhead_bytes(self) -> int:
+        """Memory the first computations fault in beyond tensors: the kernels' code pages of libtorch and its
+        libraries (measured: 16 MB on CPU after a full prompt, both real models; BENCHMARKS.md "Memory")."""
+        return COMPUTE_CODE_BYTES if self.device.type == "cpu" else 0
+
+    def kv_buffer_bytes(self, shape: Sequence[int], cache_type: str = "f16") -> int:
+        """Memory `kv_buffer(shape, cache_type)` occupies."""
+        if cache_type != "f16":
+            return QuantizedCells.nbytes_of(cache_type, tuple(shape))
         return math.prod(shape) * self.kv_dtype.itemsize
 
     def _dense_dtype(self, role: str) -> torch.dtype:
@@ -227,10 +241,18 @@ class TorchBackend:
         """The logits of `batch` through `model`; a graph recorded for a batch of this shape is reused."""
         return self._graphs.run(model, batch, view, self.new_context)
 
-    def kv_buffer(self, shape: Sequence[int]) -> torch.Tensor:
-        """A zeroed cache buffer [kv_heads, cells, dim]; under tensor parallelism, of this rank's KV heads."""
+    def kv_buffer(self, shape: Sequence[int], cache_type: str = "f16") -> torch.Tensor | QuantizedCells:
+        """A zeroed cache buffer [kv_heads, cells, dim]; under tensor parallelism, of this rank's KV heads.
+
+        "f16" is a 16-bit float tensor (bfloat16; float32 at precision fp32); "q8_0" and "q4_0" hold
+        ggml's blocks (kv_cells.py), read back in that float dtype."""
         if self.parallel is not None:
             shape = self.parallel.kv_shape(shape)
+        if cache_type != "f16":
+            try:
+                return QuantizedCells(cache_type, tuple(shape), self.kv_dtype, self.device)
+            except ValueError as error:
+                raise InvalidOptionError(f"kv_cache_type {cache_type}: {error}; use f16") from None
         return torch.zeros(tuple(shape), dtype=self.kv_dtype, device=self.device)
 
     def from_numpy(self, array: np.ndarray) -> torch.Tensor:

@@ -15,6 +15,7 @@ from corral.model import Batch
 from corral.plugins.backends.torch import elementwise, native
 from corral.plugins.backends.torch.attention import AttentionMemo, attention
 from corral.plugins.backends.torch.bidirectional import bidirectional_attention
+from corral.plugins.backends.torch.kv_cells import read_cells, write_cells
 from corral.plugins.backends.torch.fusion import fuse_gates, fuse_linears, fuse_ropes
 from corral.plugins.backends.torch.graph import Graph, Node, Slot
 from corral.plugins.backends.torch.layouts import MappedRows
@@ -304,10 +305,10 @@ def _rope(x: torch.Tensor, table: Any, dims: int, neox: bool) -> torch.Tensor:
     return torch.cat((out, x[..., dims:].float()), dim=-1) if partial else out
 
 
-def _cached_keys(keys: torch.Tensor, cells: torch.Tensor) -> torch.Tensor:
-    return keys.index_select(1, cells).transpose(0, 1).float()
+def _cached_keys(keys: Any, cells: torch.Tensor) -> torch.Tensor:
+    return read_cells(keys, lambda t: t.index_select(1, cells)).transpose(0, 1).float()
 
 
-def _store_keys(keys: torch.Tensor, cells: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-    keys.index_copy_(1, cells, new.transpose(0, 1).to(keys.dtype))
+def _store_keys(keys: Any, cells: torch.Tensor, new: torch.Tensor) -> Any:
+    write_cells(keys, cells, new)
     return keys
