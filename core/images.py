@@ -38,8 +38,8 @@ class ImageError(CorralError):
 class ImageSpec:
     """What an encoder takes: a square of `size` pixels resized with `resample`, normalised by mean and std.
 
-    `fit` says how an image that is not square becomes one: "stretch" resizes it to the square (SigLIP's
-    processors), "crop" resizes its shorter side to `size` and cuts the middle square (CLIP's)."""
+    `fit` says how an image that is not square becomes one: "stretch" resizes it to the square, "crop"
+    resizes its shorter side to `size` and cuts the middle square (HF's `shortest_edge` + `crop_size`)."""
 
     size: int
     mean: tuple[float, float, float]
