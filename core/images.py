@@ -36,12 +36,16 @@ class ImageError(CorralError):
 
 @attrs.frozen
 class ImageSpec:
-    """What an encoder takes: a square of `size` pixels resized with `resample`, normalised by mean and std."""
+    """What an encoder takes: a square of `size` pixels resized with `resample`, normalised by mean and std.
+
+    `fit` says how an image that is not square becomes one: "stretch" resizes it to the square, "crop"
+    resizes its shorter side to `size` and cuts the middle square (HF's `shortest_edge` + `crop_size`)."""
 
     size: int
     mean: tuple[float, float, float]
     std: tuple[float, float, float]
     resample: str = "bilinear"
+    fit: str = "stretch"
 
 
 @attrs.frozen
@@ -92,11 +96,28 @@ def to_rgb(image: Image.Image) -> Image.Image:
 
 
 def preprocess(image: Image.Image, spec: ImageSpec) -> np.ndarray:
-    """float32 [3, size, size]: RGB, resized to the square, scaled by 1/255, normalised (Gemma 3's processor, SigLIP's)."""
-    from PIL import Image
-
-    resized = to_rgb(image).resize((spec.size, spec.size), resample=getattr(Image.Resampling, RESAMPLE[spec.resample]))
+    """float32 [3, size, size]: RGB, fitted to the square, scaled by 1/255, normalised (the HF processors' PIL path)."""
+    resized = fit_square(to_rgb(image), spec)
     # In float64 and then float32, as transformers' rescale and normalize compute it: equal to its pixels.
     pixels = (np.asarray(resized, dtype=np.float64) * (1 / 255)).astype(np.float32)
     pixels = (pixels - np.asarray(spec.mean, dtype=np.float32)) / np.asarray(spec.std, dtype=np.float32)
     return np.ascontiguousarray(pixels.transpose(2, 0, 1), dtype=np.float32)
+
+
+def fit_square(image: Image.Image, spec: ImageSpec) -> Image.Image:
+    """The image as a `spec.size` square, the way `spec.fit` says."""
+    from PIL import Image
+
+    resample, size = getattr(Image.Resampling, RESAMPLE[spec.resample]), spec.size
+    if spec.fit == "stretch":
+        return image.resize((size, size), resample=resample)
+    # "crop": the shorter side becomes `size` and the longer one scales with it, truncated as transformers'
+    # get_resize_output_image_size does; then the middle square, its offset rounded down.
+    width, height = image.size
+    if width <= height:
+        scaled = (size, int(size * height / width))
+    else:
+        scaled = (int(size * width / height), size)
+    resized = image.resize(scaled, resample=resample)
+    left, top = (scaled[0] - size) // 2, (scaled[1] - size) // 2
+    return resized.crop((left, top, left + size, top + size))

@@ -132,13 +132,15 @@ OAI_SWIGLU_ALPHA, OAI_SWIGLU_LIMIT = 1.702, 7.0
 
 
 def activate(ctx: Any, name: str, x: Any) -> Any:
-    """The activation `name` of x: "silu", "gelu" (tanh form), "gelu_erf", "relu"."""
+    """The activation `name` of x: "silu", "gelu" (tanh form), "gelu_erf", "gelu_quick" (x sigmoid(1.702 x), CLIP's), "relu"."""
     if name == "silu":
         return ctx.silu(x)
     if name == "gelu":
         return ctx.gelu(x)
     if name == "gelu_erf":
         return ctx.gelu(x, approximate="none")
+    if name == "gelu_quick":
+        return x * ctx.sigmoid(ctx.scale(x, 1.702))
     if name == "relu":
         return ctx.relu(x)
     raise ValueError(f"unknown activation {name!r}")

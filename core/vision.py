@@ -63,7 +63,7 @@ class ImageEncoder:
         path = pathlib.Path(path)
         gguf = GGUFFile.open(path)
         encoder = plugins.vision_encoder_for(gguf).from_gguf(gguf, backend)
-        width = encoder.config.projection_dim
+        width = encoder.output_width
         if text_width is not None and width != text_width:
             raise ProjectorError(f"{path}: the projector gives {width}-wide embeddings but the text model takes {text_width}; it belongs to another model")
         return cls(path, encoder, backend)
@@ -90,7 +90,7 @@ class ImageEncoder:
             return kept
         # The patches are one sequence's rows: told so, the backend runs each projection over all of them in
         # one call (without a batch it treats rows as lone decode rows, in chunks of a few: 4x slower here).
-        patches = Batch.single(np.zeros(self.encoder.patch_count, dtype=np.int64))
+        patches = Batch.single(np.zeros(self.encoder.tower_rows, dtype=np.int64))
         ctx = self.backend.new_context(patches)
         (embeddings,) = ctx.compute(self.encoder.encode(ctx, self.pixels(image)))
         self.encoded += 1

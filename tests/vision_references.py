@@ -1,4 +1,4 @@
-"""The tiny Gemma 3 vision model of vision_driver.py, built and converted once and cached (marker `peers`).
+"""The tiny vision models of vision_driver.py (Gemma 3) and llava_driver.py (LLaVA), built and converted once and cached (marker `peers`).
 
 The driver's output is kept under CORRAL_PEERS (~/.cache/corral-peers/vision/<key>), keyed by the
 driver's and its helpers' sources, the transformers version and llama.cpp's tree: a change to any of
@@ -53,40 +53,42 @@ class VisionReference:
 
 HERE = pathlib.Path(__file__).resolve().parent
 SOURCES = ("vision_driver.py", "convert_driver.py", "reference_models.py")
+DRIVERS = {"gemma3-vision": "vision_driver.py", "llava": "llava_driver.py"}  # family -> the driver that builds it
 
 
-def cache_key(llama_cpp_dir: pathlib.Path) -> str:
+def cache_key(llama_cpp_dir: pathlib.Path, family: str = "gemma3-vision") -> str:
     """What the driver's output depends on: its sources, transformers' version, llama.cpp's tree."""
     digest = hashlib.sha256()
-    for name in SOURCES:
+    for name in SOURCES + ((DRIVERS[family],) if DRIVERS[family] not in SOURCES else ()):
         digest.update((HERE / name).read_bytes())
     digest.update(importlib.metadata.version("transformers").encode())
     digest.update(str(pathlib.Path(llama_cpp_dir).resolve()).encode())
     return digest.hexdigest()[:16]
 
 
-def cached(llama_cpp_dir: pathlib.Path) -> VisionReference:
-    """The driver's output from the cache, built there first when it is missing."""
+def cached(llama_cpp_dir: pathlib.Path, family: str = "gemma3-vision") -> VisionReference:
+    """The family's driver output from the cache, built there first when it is missing."""
     import peers
 
-    root = peers.cache_dir() / "vision" / cache_key(llama_cpp_dir)
-    if not (root / "gemma3-vision" / "mmproj.gguf").is_file():
+    key = cache_key(llama_cpp_dir, family)
+    root = peers.cache_dir() / "vision" / (key if family == "gemma3-vision" else f"{family}-{key}")
+    if not (root / family / "mmproj.gguf").is_file():
         root.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=root.parent) as scratch:
-            build(llama_cpp_dir, pathlib.Path(scratch))
+            build(llama_cpp_dir, pathlib.Path(scratch), family)
             shutil.rmtree(root, ignore_errors=True)
             os.replace(scratch, root)  # whole or not at all: an interrupted build leaves no half folder
             os.mkdir(scratch)  # for TemporaryDirectory's cleanup
-    return VisionReference(root / "gemma3-vision")
+    return VisionReference(root / family)
 
 
-def build(llama_cpp_dir: pathlib.Path, out: pathlib.Path) -> VisionReference:
-    """Run vision_driver.py into `out`; RuntimeError with the driver's traceback where it failed."""
-    driver = HERE / "vision_driver.py"
+def build(llama_cpp_dir: pathlib.Path, out: pathlib.Path, family: str = "gemma3-vision") -> VisionReference:
+    """Run the family's driver into `out`; RuntimeError with the driver's traceback where it failed."""
+    driver = HERE / DRIVERS[family]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1"}
     done = subprocess.run([sys.executable, str(driver), str(llama_cpp_dir), str(out)], capture_output=True, text=True, timeout=600, env=env)
-    root = out / "gemma3-vision"
+    root = out / family
     if done.returncode != 0 or (root / "error.txt").is_file() or not (root / "mmproj.gguf").is_file():
         error = (root / "error.txt").read_text() if (root / "error.txt").is_file() else ""
-        raise RuntimeError(f"vision_driver.py failed ({done.returncode}):\n{error}\n{done.stdout}\n{done.stderr}")
+        raise RuntimeError(f"{driver.name} failed ({done.returncode}):\n{error}\n{done.stdout}\n{done.stderr}")
     return VisionReference(root)

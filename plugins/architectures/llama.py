@@ -43,3 +43,7 @@ class LlamaModel(DecoderModel):
     architecture = "llama"
     Block = LlamaBlock
     rope_neox = False
+
+    @classmethod
+    def image_markers(cls) -> tuple[str, str]:
+        return "", ""  # LLaVA's text model: an image is its embedding rows alone, in place of `<image>` (causal, as the text)

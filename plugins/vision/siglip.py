@@ -68,8 +68,8 @@ class SiglipBlock:
         heads, dim = cfg.head_count, cfg.embedding_length // cfg.head_count
         h = self.ln1(ctx, x, cfg.norm_eps)
         q, k, v = (ctx.reshape(proj(ctx, h), (-1, heads, dim)) for proj in (self.attn.q, self.attn.k, self.attn.v))
-        x = x + self.attn.out(ctx, ctx.bidirectional_attention(q, k, v, [encoder.patch_count], 1.0 / math.sqrt(dim)))
-        return x + self.ffn(ctx, self.ln2(ctx, x, cfg.norm_eps), "gelu")
+        x = x + self.attn.out(ctx, ctx.bidirectional_attention(q, k, v, [encoder.tower_rows], 1.0 / math.sqrt(dim)))
+        return x + self.ffn(ctx, self.ln2(ctx, x, cfg.norm_eps), encoder.activation)
 
 
 @attrs.frozen
@@ -77,7 +77,9 @@ class SiglipEncoder:
     """The vision tower; `encode(ctx, pixels)` builds the graph from pixels to the text model's embeddings."""
 
     Config: ClassVar[type] = SiglipConfig
+    Block: ClassVar[type] = SiglipBlock
     projector_type: ClassVar[str]
+    activation: ClassVar[str] = "gelu"  # the blocks' MLP activation (nn.activate's name)
 
     config: Any
     blocks: tuple[Any, ...]
@@ -90,12 +92,22 @@ class SiglipEncoder:
         """Read the config and bind the tensors through the backend."""
         binder = TensorBinder(gguf, backend)
         config = config_from_gguf(cls.Config, gguf, "clip")
-        blocks = tuple(binder.bind(SiglipBlock, f"v.blk.{i}.") for i in range(config.block_count))
+        blocks = tuple(binder.bind(cls.Block, f"v.blk.{i}.") for i in range(config.block_count))
         return binder.bind(cls, config=config, blocks=blocks)
 
     @property
     def patch_count(self) -> int:
         return self.config.patches_per_side**2
+
+    @property
+    def tower_rows(self) -> int:
+        """Rows the tower's blocks run over: one per patch (CLIP adds its class row)."""
+        return self.patch_count
+
+    @property
+    def output_width(self) -> int:
+        """The width of the embeddings it gives: the text model's."""
+        return self.config.projection_dim
 
     def image_spec(self) -> ImageSpec:
         """How images are prepared for this encoder."""
@@ -111,10 +123,18 @@ class SiglipEncoder:
         cfg = self.config
         x = ctx.conv2d(ctx.float_input(pixels), self.patch_embd.weight, self.patch_embd.bias, cfg.patch_size)  # [dim, side, side]
         x = ctx.permute(ctx.reshape(x, (cfg.embedding_length, self.patch_count)), (1, 0))
-        x = x + self.position_embd.weight
+        x = self.embed_patches(ctx, x)
         for block in self.blocks:
             x = block(ctx, x, self)
-        return self.post_ln(ctx, x, cfg.norm_eps)
+        return self.finish(ctx, x)
+
+    def embed_patches(self, ctx: Any, patches: Any) -> Any:
+        """The blocks' input rows from the patch embeddings [patches, dim]: SigLIP adds the positions."""
+        return patches + self.position_embd.weight
+
+    def finish(self, ctx: Any, states: Any) -> Any:
+        """The patch states [patches, dim] from the last block's rows: SigLIP's final LayerNorm."""
+        return self.post_ln(ctx, states, self.config.norm_eps)
 
     def project(self, ctx: Any, states: Any) -> Any:
         """Patch states [patches, dim] -> the text model's embeddings [tokens, projection_dim]."""
