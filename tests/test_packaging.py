@@ -53,3 +53,25 @@ def test_every_runtime_import_is_a_declared_dependency():
         env={"NO_COLOR": "1", "PATH": "/usr/bin:/bin"},
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_a_wheel_would_hold_every_package_and_kernel_source():
+    """Every folder of modules under core/ and plugins/ is a listed package, and every non-Python file the
+    code reads (kernel sources, templates, the chat page) is package data: a non-editable install has them."""
+    import fnmatch
+    import tomllib
+
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    roots = {"core": "corral", "plugins": "corral.plugins"}
+    found = {
+        ".".join([roots[init.relative_to(ROOT).parts[0]], *init.parent.relative_to(ROOT / init.relative_to(ROOT).parts[0]).parts])
+        for top in roots
+        for init in (ROOT / top).rglob("__init__.py")
+        if "__pycache__" not in init.parts
+    }
+    assert found <= set(setuptools["packages"]), sorted(found - set(setuptools["packages"]))
+    data = setuptools["package-data"]
+    for package, folder in (("corral.plugins.backends.torch", ROOT / "plugins/backends/torch"), ("corral.server", ROOT / "core/server")):
+        files = [p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file() and p.suffix in (".c", ".h", ".js", ".css", ".html")]
+        missing = [f for f in files if not any(fnmatch.fnmatch(f, pattern) for pattern in data[package])]
+        assert not missing, (package, missing)
