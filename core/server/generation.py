@@ -51,14 +51,22 @@ async def chunks(
     defaults = await trio.to_thread.run_sync(model_defaults, server.store, model)
     merged = defaults.merge_options(options)
     timer = server.metrics.timer(server.scheduler.resolve(model)[0], arrived) if server.metrics is not None else None
+    final = None
     async with server.scheduler.use(model, merged, keep_alive) as loaded:
         async with start(Prepared(loaded.runtime, merged, defaults)) as stream:
             async for chunk in stream:
                 if timer is not None:
                     timer.chunk(chunk)
-                if chunk.done and server.metrics is not None:
-                    server.metrics.record_generation(chunk.prompt_eval_count, chunk.eval_count)
+                if chunk.done:
+                    if server.metrics is not None:
+                        server.metrics.record_generation(chunk.prompt_eval_count, chunk.eval_count)
+                    final = chunk
+                    break
                 yield chunk
+    if final is not None:
+        # Sent once the model is released: when the client sees the end, a keep_alive of 0 has begun the unload
+        # (an /api/ps right after no longer lists the model) and the slot is free for its next request.
+        yield final
 
 
 async def started(items: AsyncIterator[Any]) -> AsyncIterator[Any]:

@@ -104,8 +104,8 @@ async def ps():
     models = []
     for name, loaded in list(sched.loaded.items()):
         manifest = state().store.manifest(name)
-        if manifest is None or loaded.runtime is None:
-            continue
+        if manifest is None or loaded.runtime is None or loaded.unload.is_set():
+            continue  # not loaded, or on its way out (keep_alive 0, an eviction)
         entry = _model_entry(name, manifest)
         size = loaded.size or manifest.size
         entry.update(
