@@ -39,11 +39,18 @@ def test_a_sequence_has_the_same_logits_alone_and_batched(tmp_path, architecture
     name, write = architecture
     tiny = load_tiny(write(tmp_path / "tiny.gguf"), name, precision)
 
+    assert_alone_equals_batched(tiny)
+
+
+def assert_alone_equals_batched(tiny, cache_type: str = "f16") -> None:
+    """Three sequences' prompt logits, then their next token's, each run alone and then all in one batch
+    (the decode rows in another order): the same bits. The cache has a region per sequence, as the runtime's."""
+
     def run(batch, cache):  # as the runtime runs a step: the backend knows the batch
         return tiny.backend.to_numpy(tiny.backend.run(tiny.model, batch, cache.prepare(batch)))
 
-    def new_cache():  # a region of cells per sequence, as the runtime's cache has
-        return CausalCache(tiny.backend, tiny.model.cache_layers(), 128, num_seqs=4)
+    def new_cache():
+        return CausalCache(tiny.backend, tiny.model.cache_layers(), 128, num_seqs=4, cache_type=cache_type)
 
     prompts = {3: TOKENS[:7], 8: TOKENS[3:8], 6: TOKENS[1:8]}
     following = {3: TOKENS[9], 8: TOKENS[10], 6: TOKENS[11]}

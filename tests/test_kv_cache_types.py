@@ -10,7 +10,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 from gguf import quants
-from test_arch_moe import step
+from test_arch_moe import assert_alone_equals_batched, step
 from test_conformance import TOKENS, load_tiny
 from tiny_gguf import write_tiny_gemma3, write_tiny_gpt_oss, write_tiny_llama, write_tiny_qwen3moe
 
@@ -86,27 +86,7 @@ def test_a_sequence_has_the_same_logits_alone_and_batched(tmp_path, architecture
     name, write = architecture
     tiny = load_tiny(write(tmp_path / "tiny.gguf"), name, precision)
 
-    def run(batch, cache):
-        return tiny.backend.to_numpy(tiny.backend.run(tiny.model, batch, cache.prepare(batch)))
-
-    def new_cache():
-        return CausalCache(tiny.backend, tiny.model.cache_layers(), 128, num_seqs=4, cache_type=kind)
-
-    prompts = {3: TOKENS[:7], 8: TOKENS[3:8], 6: TOKENS[1:8]}
-    following = {3: TOKENS[9], 8: TOKENS[10], 6: TOKENS[11]}
-    cache, alone = new_cache(), {}
-    for seq, prompt in prompts.items():
-        alone[seq, "prompt"] = run(step([(seq, 0, prompt)]), cache)[0]
-    for seq, prompt in prompts.items():
-        alone[seq, "decode"] = run(step([(seq, len(prompt), [following[seq]])]), cache)[0]
-    cache = new_cache()
-    together = run(step([(seq, 0, prompt) for seq, prompt in prompts.items()]), cache)
-    for row, seq in enumerate(prompts):
-        assert np.array_equal(together[row], alone[seq, "prompt"]), seq
-    order = [8, 3, 6]
-    together = run(step([(seq, len(prompts[seq]), [following[seq]]) for seq in order]), cache)
-    for row, seq in enumerate(order):
-        assert np.array_equal(together[row], alone[seq, "decode"]), seq
+    assert_alone_equals_batched(tiny, kind)
 
 
 @pytest.mark.parametrize(("kind", "tolerance"), [("q8_0", 0.02), ("q4_0", 0.25)])
