@@ -164,13 +164,7 @@ class ToolCallParser:
             return 0
         if not self.prefix and not self._seen_text and not self._buffer.strip():
             return len(self._buffer)
-        longest = 0
-        for prefix in self._prefixes():
-            for size in range(min(len(prefix) - 1, len(self._buffer)), 0, -1):
-                if self._buffer.endswith(prefix[:size]):
-                    longest = max(longest, size)
-                    break
-        return longest
+        return opening_tail(self._buffer, tuple(prefix[:-1] for prefix in self._prefixes()))
 
     def take_calls(self, text: str, final: bool) -> tuple[list[ToolCall], int] | None:
         """The calls at the start of `text`, and the characters they used; ([], 0) when it is no call."""
@@ -367,14 +361,22 @@ def settled_arguments(text: str, closers: tuple[str, ...]) -> str:
     text = text.lstrip()
     while True:
         trimmed = text.rstrip()
-        for closer in closers:
-            for size in range(min(len(closer), len(trimmed)), 0, -1):
-                if trimmed.endswith(closer[:size]):
-                    trimmed = trimmed[:-size]
-                    break
+        trimmed = trimmed[: len(trimmed) - opening_tail(trimmed, closers)]
         if trimmed == text:
             return text
         text = trimmed
+
+
+def opening_tail(text: str, openers: tuple[str, ...]) -> int:
+    """How many characters at the end of `text` are the start of one of `openers` (the longest such start):
+    text to hold back while what follows may complete it."""
+    longest = 0
+    for opener in openers:
+        for size in range(min(len(opener), len(text)), longest, -1):
+            if text.endswith(opener[:size]):
+                longest = size
+                break
+    return longest
 
 
 def _decodes_to(text: str, value: Any) -> bool:

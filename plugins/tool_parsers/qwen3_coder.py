@@ -10,7 +10,7 @@ import re
 
 from corral.hookspecs import hookimpl
 from corral.grammar import JSON_OPTIONS
-from corral.toolcalls import PendingCall, ToolCall, ToolCallParser, calls_grammar
+from corral.toolcalls import PendingCall, ToolCall, ToolCallParser, calls_grammar, opening_tail
 
 _FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*?)</function>\s*(?:</tool_call>)?", re.S)
 _PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
@@ -106,17 +106,8 @@ def _string_so_far(text: str) -> str:
     """A string value being written, as the start of its JSON: the opening quote and the text sure to be part of
     it (not a newline or tag start that may close it)."""
     text = text.removeprefix("\n")
-    settled = text if not text else text[: len(text) - _closing_tail(text)]
+    settled = text[: len(text) - opening_tail(text, (_VALUE_CLOSE, "</parameter>"))]
     return '"' + json.dumps(settled, ensure_ascii=False)[1:-1]
-
-
-def _closing_tail(text: str) -> int:
-    """How many characters at the end of `text` may begin the value's closing `\n</parameter>` (or `</parameter>`)."""
-    for closer in (_VALUE_CLOSE, "</parameter>"):
-        for size in range(min(len(closer), len(text)), 0, -1):
-            if text.endswith(closer[:size]):
-                return size
-    return 0
 
 
 def _value(schema: dict, name: str, rules: list[str]) -> str:
