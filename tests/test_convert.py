@@ -302,6 +302,7 @@ async def test_corral_create_from_a_folder_next_to_the_modelfile(tiny_server, ti
     assert shown["model_info"]["general.architecture"] == "qwen3" and shown["system"] == "Be brief."
 
 
+@pytest.mark.slow  # builds the folder with transformers
 def test_llama_folder_with_only_a_sentencepiece_style_tokenizer_json_is_refused(tmp_path):
     import convert_driver
 

@@ -10,8 +10,17 @@ import numpy as np
 import pytest
 import trio
 
-langchain_openai = pytest.importorskip("langchain_openai")
-langchain_ollama = pytest.importorskip("langchain_ollama")
+pytestmark = pytest.mark.slow  # a server driven through LangChain: out of the fast subset (-m "not slow")
+
+
+@pytest.fixture(scope="module")
+def langchain_openai():
+    return pytest.importorskip("langchain_openai")
+
+
+@pytest.fixture(scope="module")
+def langchain_ollama():
+    return pytest.importorskip("langchain_ollama")
 
 MODEL = "tiny-nomic"
 TEXTS = ["the cat sat on the mat", "a dog", "Ünïcödé ströng — 東京", "a longer text " * 20]  # the last is longer than the context: truncated
@@ -55,14 +64,14 @@ def close(got, want) -> bool:
     return np.allclose(np.array(got), want, atol=1e-5)
 
 
-async def test_ollama_embeddings_documents_and_query(embed_server, expected):
+async def test_ollama_embeddings_documents_and_query(langchain_ollama, embed_server, expected):
     embeddings = langchain_ollama.OllamaEmbeddings(base_url=embed_server, model=MODEL)
     documents = await in_thread(lambda: embeddings.embed_documents(TEXTS))
     assert close(documents, expected)
     assert close(await in_thread(lambda: embeddings.embed_query(TEXTS[0])), expected[0])
 
 
-async def test_openai_embeddings_documents_and_query(embed_server, expected):
+async def test_openai_embeddings_documents_and_query(langchain_openai, embed_server, expected):
     # check_embedding_ctx_length=False: send the texts themselves, not tiktoken's ids of them (OpenAI's vocabulary, not the
     # model's), as LangChain documents for OpenAI-compatible servers.
     embeddings = langchain_openai.OpenAIEmbeddings(base_url=f"{embed_server}/v1", api_key="unused", model=MODEL,
@@ -72,7 +81,7 @@ async def test_openai_embeddings_documents_and_query(embed_server, expected):
     assert close(await in_thread(lambda: embeddings.embed_query(TEXTS[2])), expected[2])
 
 
-async def test_openai_embeddings_with_dimensions_are_shortened_and_renormalised(embed_server, expected):
+async def test_openai_embeddings_with_dimensions_are_shortened_and_renormalised(langchain_openai, embed_server, expected):
     embeddings = langchain_openai.OpenAIEmbeddings(base_url=f"{embed_server}/v1", api_key="unused", model=MODEL, dimensions=16,
                                                    check_embedding_ctx_length=False, max_retries=0)
     (vector,) = await in_thread(lambda: embeddings.embed_documents(TEXTS[:1]))

@@ -8,6 +8,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
@@ -46,6 +48,7 @@ def test_ci_runs_the_readmes_commands_as_written():
     assert not any(installs.match(line) for line in code), "CI installs only through the README's commands"
 
 
+@pytest.mark.slow  # runs deptry over the package
 def test_every_runtime_import_is_a_declared_dependency():
     # deptry reads [tool.deptry] in pyproject.toml: missing, transitive, misplaced and unused dependencies.
     result = subprocess.run(

