@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from test_torch_quant import INT4, cols_of, random_raw, reference
 
-from corral.plugins.backends.torch import attention as torch_attention, dequantize as torch_quant, native as torch_native
+from corral.plugins.backends.torch import attention as torch_attention, dequantize as torch_quant, kv_cells, native as torch_native
 from corral.plugins.backends.torch import TorchBackend
 from corral.plugins.backends.torch.fusion import stack_weights
 from corral.plugins.backends.torch.layouts import Int4Blocks, Int4Weight, Int8Weight, requantized_int4
@@ -386,8 +386,8 @@ def test_row_attention_stores_the_new_rows_as_torch_would_first(dtype):
         types.SimpleNamespace(rows=slice(1, 2), start=32, used=9, mask=None),
     ]
     expected_keys, expected_values = keys.clone(), values.clone()
-    torch_attention._write_cells(expected_keys, torch.tensor([19, 40]), k)
-    torch_attention._write_cells(expected_values, torch.tensor([19, 40]), v)
+    kv_cells.write_cells(expected_keys, torch.tensor([19, 40]), k)
+    kv_cells.write_cells(expected_values, torch.tensor([19, 40]), v)
     expected = torch_native.row_attention(q, expected_keys, expected_values, torch_native.attention_regions(groups, 2), 0.2)
     fused = randn(2, 3 * 32 * 3, seed=29)  # k and v as column slices of one fused output, as the model has them
     fused[:, 96:192], fused[:, 192:] = k.reshape(2, 96), v.reshape(2, 96)
