@@ -47,6 +47,7 @@ FAMILIES: dict[str, type[TextFamily]] = {
     "Qwen3ForCausalLM": Qwen3Family,
     "Qwen3Model": Qwen3Family,
     "Gemma3ForCausalLM": Gemma3Family,
+    "Gemma3ForConditionalGeneration": Gemma3Family,  # the text model; the vision side: corral.convert.projector
     "BertModel": BertFamily,
     "BertForMaskedLM": BertFamily,
 }
