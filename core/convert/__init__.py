@@ -17,7 +17,7 @@ Decisions, and where corral differs from llama.cpp's converter on purpose:
   Qwen 2's, SmolLM's digit split, BERT's) rather than by hashing a published tokenizer's output; an
   unknown one is written as "default" with a warning, where llama.cpp stops.
 * Vision models: the text model here, the vision tower and projector by `convert_projector` into
-  llama.cpp's `clip` projector file (corral.convert.projector; Gemma 3 so far).
+  llama.cpp's `clip` projector file (corral.convert.projector; Gemma 3 and LLaVA 1.5).
 * Not converted (a ConvertError says so): pytorch_model.bin folders, quantized checkpoints (MXFP4,
   NVFP4, FP8), other multimodal towers, StableLM's per-head q/k norms, and a llama folder whose only
   tokenizer is a sentencepiece-style tokenizer.json (llama.cpp reads those through transformers).

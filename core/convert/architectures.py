@@ -20,6 +20,7 @@ from corral.convert.folder import ConvertError, HFFolder
 FAMILIES: dict[str, type[TextFamily]] = {
     "LlamaForCausalLM": LlamaFamily,
     "MistralForCausalLM": LlamaFamily,
+    "LlavaForConditionalGeneration": LlamaFamily,  # the text model; the vision side: corral.convert.projector
     "MixtralForCausalLM": MixtralFamily,
     "Qwen2MoeForCausalLM": Qwen2MoeFamily,
     "Qwen3MoeForCausalLM": Qwen3MoeFamily,

@@ -9,9 +9,6 @@ from corral.convert.family import TextFamily
 from corral.convert.folder import ConvertError
 from corral.convert.vocab import TOKENIZER_MODEL, add_spm_vocab
 
-# The vision side of a Gemma3ForConditionalGeneration folder (written with or without transformers 4's `model.`).
-VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
-
 
 class GemmaFamily(TextFamily):
     """Gemma (1): its own keys, sentencepiece only, norms +1, no output matrix; CodeGemma's fill-in-the-middle
@@ -94,9 +91,6 @@ class Gemma3Family(TextFamily):
     def add_vocab(self, writer: gguf.GGUFWriter) -> None:
         if self.add_vocab_preferring_spm(writer):
             writer.add_add_space_prefix(False)
-
-    def skip(self, name: str) -> bool:
-        return super().skip(name) or name.startswith(VISION_PREFIXES)
 
     def modify(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         if "embed_tokens.weight" in name and (rows := self.tokenizer_rows()) is not None:
