@@ -214,6 +214,16 @@ def test_a_repo_with_projectors_gives_the_model_the_one_nearest_its_quant(hub, h
     assert hub.downloads() == 2
 
 
+def test_offline_the_cached_projector_comes_with_the_model(hub, tmp_path, store, monkeypatch):
+    store.pull("hf.co/tiny/Vision-GGUF")
+    hub.requests.clear()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    other = Store(tmp_path / "other-models")
+    other.pull("hf.co/tiny/Vision-GGUF")
+    assert hub.requests == []
+    assert other.projector_path("hf.co/tiny/Vision-GGUF").read_bytes() == store.projector_path("hf.co/tiny/Vision-GGUF").read_bytes()
+
+
 def test_a_projector_no_encoder_reads_is_left_out_with_a_warning(hub, store, caplog):
     manifest = store.pull("hf.co/tiny/UnknownVision-GGUF")
     assert [layer.media_type for layer in manifest.layers] == [MODEL_MEDIA_TYPE]
