@@ -82,6 +82,7 @@ def hub_root(tmp_path_factory) -> Path:
     vision = ("Vision-F16.gguf", "Vision-Q4_K_M.gguf", "mmproj-Vision-F16.gguf", "mmproj-Vision-Q8_0.gguf")
     repo("tiny/Vision-GGUF", *vision, writer=write_tiny_gemma3)
     repo("tiny/LyingVision-GGUF", *vision, writer=write_tiny_gemma3)
+    repo("tiny/HostileVision-GGUF", *vision, writer=write_tiny_gemma3)
     repo("tiny/UnknownVision-GGUF", "UnknownVision-Q4_K_M.gguf", "mmproj-UnknownVision-F16.gguf", writer=write_tiny_gemma3)
     repo("tiny/NoDefault-GGUF", "nodefault-f16.gguf", "nodefault-q2_k.gguf", "nodefault-q8_0.gguf")
     repo("tiny/Only-GGUF", "only.IQ3_M.gguf")
@@ -112,6 +113,13 @@ def lying_info(info: dict) -> None:
     info["siblings"][0]["lfs"]["sha256"] = "ab" * 32
 
 
+def hostile_projector_info(info: dict) -> None:
+    """The projector's LFS sha256 a path, and a projector whose name climbs out of the repo (nearer the model's quant)."""
+    (projector,) = [sibling for sibling in info["siblings"] if sibling["rfilename"] == "mmproj-Vision-Q8_0.gguf"]
+    projector["lfs"]["sha256"] = "../../blobs/sha256-" + "0" * 64
+    info["siblings"].append({"rfilename": "../mmproj-Vision-Q4_0.gguf", "size": 1, "lfs": {"sha256": "1" * 64, "size": 1, "pointerSize": 134}})
+
+
 def lying_projector_info(info: dict) -> None:
     """The model's sha256 true, the projector's not."""
     (projector,) = [sibling for sibling in info["siblings"] if sibling["rfilename"] == "mmproj-Vision-Q8_0.gguf"]
@@ -121,7 +129,8 @@ def lying_projector_info(info: dict) -> None:
 @pytest.fixture
 def hub(hub_root, tmp_path, monkeypatch):
     """The local Hub, with HF_ENDPOINT at it and an empty HF cache of the test's own."""
-    tamper = {"tiny/Hostile-GGUF": hostile_info, "tiny/Lying-GGUF": lying_info, "tiny/LyingVision-GGUF": lying_projector_info}
+    tamper = {"tiny/Hostile-GGUF": hostile_info, "tiny/Lying-GGUF": lying_info, "tiny/LyingVision-GGUF": lying_projector_info,
+              "tiny/HostileVision-GGUF": hostile_projector_info}
     gated, flaky = frozenset({"tiny/Gated-GGUF"}), frozenset({"tiny/Flaky-GGUF/Flaky-Q4_K_M.gguf"})
     with HubServer(hub_root, private={"tiny/Private-GGUF": TOKEN}, tamper=tamper, gated=gated, interrupt_once=flaky) as server:
         monkeypatch.setenv("HF_ENDPOINT", server.url)
@@ -229,6 +238,14 @@ def test_a_projector_no_encoder_reads_is_left_out_with_a_warning(hub, store, cap
     assert [layer.media_type for layer in manifest.layers] == [MODEL_MEDIA_TYPE]
     assert "leaving out the projector tiny/UnknownVision-GGUF/mmproj-UnknownVision-F16.gguf" in caplog.text and "'qwen2vl'" in caplog.text
     assert {"sha256:" + path.name.removeprefix("sha256-") for path in store.blobs_dir.iterdir()} == manifest.blobs  # its blob went again
+
+
+def test_a_projectors_hostile_name_and_digest_from_the_hub_never_become_paths(hub, hub_root, store, caplog):
+    store.pull("hf.co/tiny/HostileVision-GGUF")
+    expected = hub_root / "tiny/HostileVision-GGUF/mmproj-Vision-Q8_0.gguf"
+    pulled = store.projector_path("hf.co/tiny/HostileVision-GGUF")
+    assert pulled.read_bytes() == expected.read_bytes() and pulled.name == "sha256-" + sha256(expected)[7:]
+    assert not any("Q4_0" in path for _, path in hub.requests) and "unsafe name" in caplog.text
 
 
 def test_a_projector_that_fails_its_sha256_leaves_the_store_as_it_was(hub, store):
