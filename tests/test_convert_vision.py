@@ -95,6 +95,14 @@ def test_create_stores_the_converted_tower_as_the_projector_layer(created, refer
     assert GGUFFile.open(created.projector_path(NAME)).tensors.keys() == GGUFFile.open(reference.projector).tensors.keys()
 
 
+def test_quantize_is_for_the_text_model_the_projector_stays_as_converted(gemma3_vision, tmp_path):
+    store = Store(tmp_path / "models")
+    manifest = create_model(store, "made-q8", ModelSpec(hf_folder=gemma3_vision.hf, quantize="q8_0"))
+    assert GGUFFile.open(store.model_path("made-q8")).metadata["general.file_type"] == gguf.LlamaFileType.MOSTLY_Q8_0
+    converted = convert_projector(gemma3_vision.hf, tmp_path / "mmproj.gguf")
+    assert store.blob_path(manifest.layer(PROJECTOR_MEDIA_TYPE).digest).read_bytes() == converted.read_bytes()
+
+
 def test_the_created_model_answers_an_image_as_the_llama_cpp_converted_pair(created, reference, family):
     numbers = reference.reference()
     ids, data = [int(i) for i in numbers["ids"]], reference.image.read_bytes()
