@@ -7,6 +7,7 @@ HF_HUB_CACHE at a temporary folder in every test, so the real Hub and the user's
 from __future__ import annotations
 
 import hashlib
+import io
 import logging
 import os
 import shutil
@@ -21,16 +22,18 @@ import pytest
 import trio
 from hub_server import HubServer
 from huggingface_hub import constants
-from tiny_gguf import write_tiny_llama
+from PIL import Image
+from tiny_gguf import Q, write_tiny_gemma3, write_tiny_gemma3_projector, write_tiny_llama
 
 from corral.distribution import huggingface
 from corral.distribution.huggingface import HubOfflineError, HubRepoNotFoundError, NoGGUFError, QuantNotFoundError, RepoFile
 from corral.errors import InvalidModelNameError
 from corral.gguf import GGUFFile
 from corral.runner.runtime import Runtime
-from corral.store import DigestMismatchError, Store, ensure_model
+from corral.store import MODEL_MEDIA_TYPE, PROJECTOR_MEDIA_TYPE, DigestMismatchError, Store, ensure_model
 
 GREEDY = {"temperature": 0, "num_predict": 6}
+PROJECTOR_TYPES = {"F16.gguf": Q.F16, "Q8_0.gguf": Q.Q8_0}  # a projector file's name ending -> its matrices' type
 TOKEN = "hf_test_secret_token_0123456789"
 
 
@@ -62,17 +65,25 @@ def hub_root(tmp_path_factory) -> Path:
     """The repositories the local Hub serves (files of different seeds, so each has its own bytes)."""
     root = tmp_path_factory.mktemp("hub")
 
-    def repo(repo_id: str, *names: str) -> Path:
+    def repo(repo_id: str, *names: str, writer=write_tiny_llama) -> Path:
         folder = root / repo_id
         folder.mkdir(parents=True)
         for seed, name in enumerate(names):
-            if name.endswith(".gguf"):
-                write_tiny_llama(folder / name, seed=seed)
+            if "mmproj" in name:
+                write_tiny_gemma3_projector(folder / name, matrix_type=PROJECTOR_TYPES[name.rsplit("-", 1)[-1]], seed=seed,
+                                            projector_type="qwen2vl" if "Unknown" in name else "gemma3")  # fmt: skip
+            elif name.endswith(".gguf"):
+                writer(folder / name, seed=seed)
             else:
                 (folder / name).write_text(f"{name} of {repo_id}\n")
         return folder
 
-    repo("tiny/Tiny-GGUF", "README.md", "Tiny-F16.gguf", "Tiny-Q4_K_M.gguf", "Tiny-Q8_0.gguf", "mmproj-Tiny-F16.gguf")
+    repo("tiny/Tiny-GGUF", "README.md", "Tiny-F16.gguf", "Tiny-Q4_K_M.gguf", "Tiny-Q8_0.gguf", "imatrix-Tiny-F16.gguf")
+    vision = ("Vision-F16.gguf", "Vision-Q4_K_M.gguf", "mmproj-Vision-F16.gguf", "mmproj-Vision-Q8_0.gguf")
+    repo("tiny/Vision-GGUF", *vision, writer=write_tiny_gemma3)
+    repo("tiny/LyingVision-GGUF", *vision, writer=write_tiny_gemma3)
+    repo("tiny/HostileVision-GGUF", *vision, writer=write_tiny_gemma3)
+    repo("tiny/UnknownVision-GGUF", "UnknownVision-Q4_K_M.gguf", "mmproj-UnknownVision-F16.gguf", writer=write_tiny_gemma3)
     repo("tiny/NoDefault-GGUF", "nodefault-f16.gguf", "nodefault-q2_k.gguf", "nodefault-q8_0.gguf")
     repo("tiny/Only-GGUF", "only.IQ3_M.gguf")
     repo("tiny/No-GGUF", "README.md", "model.safetensors")
@@ -93,7 +104,7 @@ def hostile_info(info: dict) -> None:
     """Names that would climb out of a folder, and an LFS sha256 that is not one."""
     (sibling,) = info["siblings"]
     sibling["lfs"]["sha256"] = "../../../etc/passwd"
-    for name in ("../../escape-Q4_K_M.gguf", "/abs-Q4_K_M.gguf", "a\\..\\b-Q4_K_M.gguf", "sub//x-Q4_K_M.gguf"):
+    for name in ("../../escape-Q4_K_M.gguf", "/abs-Q4_K_M.gguf", "a\\..\\b-Q4_K_M.gguf", "sub//x-Q4_K_M.gguf", "../mmproj-escape-F16.gguf"):
         info["siblings"].append({"rfilename": name, "size": 1, "lfs": {"sha256": "0" * 64, "size": 1, "pointerSize": 134}})
 
 
@@ -102,10 +113,24 @@ def lying_info(info: dict) -> None:
     info["siblings"][0]["lfs"]["sha256"] = "ab" * 32
 
 
+def hostile_projector_info(info: dict) -> None:
+    """The projector's LFS sha256 a path, and a projector whose name climbs out of the repo (nearer the model's quant)."""
+    (projector,) = [sibling for sibling in info["siblings"] if sibling["rfilename"] == "mmproj-Vision-Q8_0.gguf"]
+    projector["lfs"]["sha256"] = "../../blobs/sha256-" + "0" * 64
+    info["siblings"].append({"rfilename": "../mmproj-Vision-Q4_0.gguf", "size": 1, "lfs": {"sha256": "1" * 64, "size": 1, "pointerSize": 134}})
+
+
+def lying_projector_info(info: dict) -> None:
+    """The model's sha256 true, the projector's not."""
+    (projector,) = [sibling for sibling in info["siblings"] if sibling["rfilename"] == "mmproj-Vision-Q8_0.gguf"]
+    projector["lfs"]["sha256"] = "cd" * 32
+
+
 @pytest.fixture
 def hub(hub_root, tmp_path, monkeypatch):
     """The local Hub, with HF_ENDPOINT at it and an empty HF cache of the test's own."""
-    tamper = {"tiny/Hostile-GGUF": hostile_info, "tiny/Lying-GGUF": lying_info}
+    tamper = {"tiny/Hostile-GGUF": hostile_info, "tiny/Lying-GGUF": lying_info, "tiny/LyingVision-GGUF": lying_projector_info,
+              "tiny/HostileVision-GGUF": hostile_projector_info}
     gated, flaky = frozenset({"tiny/Gated-GGUF"}), frozenset({"tiny/Flaky-GGUF/Flaky-Q4_K_M.gguf"})
     with HubServer(hub_root, private={"tiny/Private-GGUF": TOKEN}, tamper=tamper, gated=gated, interrupt_once=flaky) as server:
         monkeypatch.setenv("HF_ENDPOINT", server.url)
@@ -165,6 +190,91 @@ def test_choosing_skips_projectors_and_takes_every_split_part():
         huggingface.choose_files(files[:1] + files[2:], "q4_k_m", "u/r")
     with pytest.raises(NoGGUFError, match="no GGUF model file"):
         huggingface.choose_files(files[:1], None, "u/r")
+
+
+# ---- vision projectors -----------------------------------------------------------------------------------
+
+
+def test_choosing_a_projector_follows_llama_cpps_rule():
+    files = [RepoFile(p) for p in ("mmproj-BF16.gguf", "mmproj-Q8_0.gguf", "mmproj-F32.gguf", "sub/mmproj-F16.gguf", "other/mmproj-Q4_0.gguf",
+                                   "mmproj-Q4_0-00001-of-00002.gguf", "x-Q4_K_M.gguf", "sub/x-Q4_K_M.gguf", "mmproj-f16.gguf")]  # fmt: skip
+
+    def chosen(model: str, among=files) -> str | None:
+        projector = huggingface.choose_projector(among, RepoFile(model))
+        return projector and projector.path
+
+    assert chosen("x-Q4_K_M.gguf") == "mmproj-Q8_0.gguf"  # the bits nearest 4 (a split projector is never taken)
+    assert chosen("x-F16.gguf") == "mmproj-BF16.gguf"  # 16 bits twice: the first in path order
+    assert chosen("x-F32.gguf") == "mmproj-F32.gguf"
+    assert chosen("sub/x-Q4_K_M.gguf") == "sub/mmproj-F16.gguf"  # the model's own folder before a parent
+    assert chosen("x-Q4_K_M.gguf", files[3:5]) is None  # only in folders below or beside the model's
+    assert chosen("x-Q4_K_M.gguf", files[6:8]) is None
+
+
+@pytest.mark.parametrize(("tag", "projector"), [(None, "mmproj-Vision-Q8_0.gguf"), ("F16", "mmproj-Vision-F16.gguf")])
+def test_a_repo_with_projectors_gives_the_model_the_one_nearest_its_quant(hub, hub_root, store, tag, projector):
+    name = "hf.co/tiny/Vision-GGUF" + (f":{tag}" if tag else "")
+    events = []
+    manifest = store.pull(name, progress=events.append)
+    expected = hub_root / "tiny/Vision-GGUF" / projector
+    assert store.projector_path(name).read_bytes() == expected.read_bytes()
+    assert [layer.media_type for layer in manifest.layers] == [MODEL_MEDIA_TYPE, PROJECTOR_MEDIA_TYPE]
+    assert any(event.get("digest") == sha256(expected) and event["completed"] == event["total"] for event in events)
+    assert hub.downloads() == 2
+
+
+def test_offline_the_cached_projector_comes_with_the_model(hub, tmp_path, store, monkeypatch):
+    store.pull("hf.co/tiny/Vision-GGUF")
+    hub.requests.clear()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    other = Store(tmp_path / "other-models")
+    other.pull("hf.co/tiny/Vision-GGUF")
+    assert hub.requests == []
+    assert other.projector_path("hf.co/tiny/Vision-GGUF").read_bytes() == store.projector_path("hf.co/tiny/Vision-GGUF").read_bytes()
+
+
+def test_a_projector_no_encoder_reads_is_left_out_with_a_warning(hub, store, caplog):
+    manifest = store.pull("hf.co/tiny/UnknownVision-GGUF")
+    assert [layer.media_type for layer in manifest.layers] == [MODEL_MEDIA_TYPE]
+    assert "leaving out the projector tiny/UnknownVision-GGUF/mmproj-UnknownVision-F16.gguf" in caplog.text and "'qwen2vl'" in caplog.text
+    assert {"sha256:" + path.name.removeprefix("sha256-") for path in store.blobs_dir.iterdir()} == manifest.blobs  # its blob went again
+
+
+def test_a_projectors_hostile_name_and_digest_from_the_hub_never_become_paths(hub, hub_root, store, caplog):
+    store.pull("hf.co/tiny/HostileVision-GGUF")
+    expected = hub_root / "tiny/HostileVision-GGUF/mmproj-Vision-Q8_0.gguf"
+    pulled = store.projector_path("hf.co/tiny/HostileVision-GGUF")
+    assert pulled.read_bytes() == expected.read_bytes() and pulled.name == "sha256-" + sha256(expected)[7:]
+    assert not any("Q4_0" in path for _, path in hub.requests) and "unsafe name" in caplog.text
+
+
+def test_a_projector_that_fails_its_sha256_leaves_the_store_as_it_was(hub, store):
+    store.pull("hf.co/tiny/Tiny-GGUF:Q8_0")
+    before = contents(store)
+    with pytest.raises(DigestMismatchError, match="the Hub announced sha256:cdcd"):
+        store.pull("hf.co/tiny/LyingVision-GGUF")
+    assert contents(store) == before  # the model's blob, in the store a moment, went with it
+
+
+@pytest.mark.slow
+async def test_a_pulled_vision_model_answers_an_image_over_the_api_and_shows_vision(hub, tmp_path, nursery, monkeypatch):
+    from conftest import _serve
+
+    monkeypatch.setenv("CORRAL_RUNNER", "inprocess")
+    url = await _serve(tmp_path / "served-models", nursery)
+    client = ollama.Client(host=url)
+    await trio.to_thread.run_sync(client.pull, "hf.co/tiny/Vision-GGUF")
+    shown = await trio.to_thread.run_sync(client.show, "hf.co/tiny/Vision-GGUF")
+    assert "vision" in shown.capabilities
+    image = io.BytesIO()
+    Image.new("RGB", (20, 12), (200, 40, 90)).save(image, "PNG")
+    options = {"temperature": 0, "num_predict": 2, "num_ctx": 128}
+    answers = [
+        await trio.to_thread.run_sync(lambda images=images: client.generate("hf.co/tiny/Vision-GGUF", "look", images=images, options=options, raw=True))
+        for images in ([image.getvalue()], [])
+    ]
+    with_image, without = (answer.prompt_eval_count for answer in answers)
+    assert with_image >= without + 4  # the projector's 4 embeddings (and their markers) joined the prompt
 
 
 # ---- split GGUFs ----------------------------------------------------------------------------------------

@@ -583,3 +583,51 @@ WRITERS = {
     "gpt-oss": write_tiny_gpt_oss,
     "deepseek2": write_tiny_deepseek2,
 }
+
+
+GEMMA3_PROJECTOR = dict(image_size=16, patch_size=4, embedding_length=32, feed_forward_length=64, block_count=1, head_count=2, merge=2)
+
+
+def write_tiny_gemma3_projector(
+    path: str | os.PathLike, *, projection_dim: int = GEMMA3["embedding_length"], matrix_type: Q = Q.F32, seed: int = 0,
+    projector_type: str = "gemma3",
+) -> str:
+    """A Gemma 3 vision projector (llama.cpp's `clip` file, projector type "gemma3"): a 1-block SigLIP over
+    4 x 4 patches of a 16-pixel image, pooled 2 x 2 into 4 embeddings `projection_dim` wide (write_tiny_gemma3's).
+    `matrix_type` is the type of the blocks' matrices (F16, Q8_0, ...), as a converter's or quantizer's output has them;
+    `projector_type` renames the projector (to one no encoder reads, for error tests)."""
+    cfg = GEMMA3_PROJECTOR
+    d, ff, patch = cfg["embedding_length"], cfg["feed_forward_length"], cfg["patch_size"]
+    t = _Tensors(seed)
+    t.weight("mm.input_projection.weight", (d, projection_dim), std=0.1)  # used as x @ W: [vision, text]
+    t.norm("mm.soft_emb_norm.weight", d)
+    t.weight("v.patch_embd.weight", (d, 3, patch, patch), std=0.1)
+    t.bias("v.patch_embd.bias", d)
+    t.weight("v.position_embd.weight", ((cfg["image_size"] // patch) ** 2, d), std=0.1)
+    matrices = []
+    for i in range(cfg["block_count"]):
+        p = f"v.blk.{i}."
+        for norm in ("ln1", "ln2"):
+            t.norm(p + norm + ".weight", d)
+            t.bias(p + norm + ".bias", d)
+        for name, shape in (("attn_q", (d, d)), ("attn_k", (d, d)), ("attn_v", (d, d)), ("attn_out", (d, d)), ("ffn_up", (ff, d)), ("ffn_down", (d, ff))):
+            t.weight(p + name + ".weight", shape, std=0.1)
+            t.bias(p + name + ".bias", shape[0])
+            matrices.append(p + name + ".weight")
+    t.norm("v.post_ln.weight", d)
+    t.bias("v.post_ln.bias", d)
+    writer = gguf.GGUFWriter(os.fspath(path), "clip")
+    writer.add_type(gguf.GGUFType.MMPROJ)
+    writer.add_string("clip.projector_type", projector_type)
+    writer.add_bool("clip.has_vision_encoder", True)
+    writer.add_bool("clip.use_gelu", True)
+    for key, value in (("image_size", cfg["image_size"]), ("patch_size", patch), ("embedding_length", d), ("feed_forward_length", ff),
+                       ("block_count", cfg["block_count"]), ("attention.head_count", cfg["head_count"]), ("projection_dim", projection_dim),
+                       ("projector.scale_factor", cfg["merge"])):  # fmt: skip
+        writer.add_uint32(f"clip.vision.{key}", value)
+    writer.add_float32("clip.vision.attention.layer_norm_epsilon", 1e-6)
+    writer.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
+    writer.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
+    types = dict.fromkeys(matrices, matrix_type)
+    write_tensors(writer, {name: (array, types.get(name, Q.F32)) for name, array in t.arrays.items()}, t.rng)
+    return os.fspath(path)

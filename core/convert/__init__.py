@@ -16,13 +16,16 @@ Decisions, and where corral differs from llama.cpp's converter on purpose:
 * `tokenizer.ggml.pre` is recognised from tokenizer.json's pre-tokenizer structure (GPT-2's, Llama 3's,
   Qwen 2's, SmolLM's digit split, BERT's) rather than by hashing a published tokenizer's output; an
   unknown one is written as "default" with a warning, where llama.cpp stops.
+* Vision models: the text model here, the vision tower and projector by `convert_projector` into
+  llama.cpp's `clip` projector file (corral.convert.projector; Gemma 3 and LLaVA 1.5).
 * Not converted (a ConvertError says so): pytorch_model.bin folders, quantized checkpoints (MXFP4,
-  NVFP4, FP8), multimodal towers, StableLM's per-head q/k norms, and a llama folder whose only
+  NVFP4, FP8), other multimodal towers, StableLM's per-head q/k norms, and a llama folder whose only
   tokenizer is a sentencepiece-style tokenizer.json (llama.cpp reads those through transformers).
 """
 
 from corral.convert.architectures import FAMILIES
 from corral.convert.folder import ConvertError, HFFolder
+from corral.convert.projector import VISION_FAMILIES, check_projector, convert_projector
 from corral.convert.writer import check_folder, convert_folder
 
-__all__ = ["FAMILIES", "ConvertError", "HFFolder", "check_folder", "convert_folder"]
+__all__ = ["FAMILIES", "VISION_FAMILIES", "ConvertError", "HFFolder", "check_folder", "check_projector", "convert_folder", "convert_projector"]

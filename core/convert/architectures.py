@@ -20,6 +20,7 @@ from corral.convert.folder import ConvertError, HFFolder
 FAMILIES: dict[str, type[TextFamily]] = {
     "LlamaForCausalLM": LlamaFamily,
     "MistralForCausalLM": LlamaFamily,
+    "LlavaForConditionalGeneration": LlamaFamily,  # the text model; the vision side: corral.convert.projector
     "MixtralForCausalLM": MixtralFamily,
     "Qwen2MoeForCausalLM": Qwen2MoeFamily,
     "Qwen3MoeForCausalLM": Qwen3MoeFamily,
@@ -47,6 +48,7 @@ FAMILIES: dict[str, type[TextFamily]] = {
     "Qwen3ForCausalLM": Qwen3Family,
     "Qwen3Model": Qwen3Family,
     "Gemma3ForCausalLM": Gemma3Family,
+    "Gemma3ForConditionalGeneration": Gemma3Family,  # the text model; the vision side: corral.convert.projector
     "BertModel": BertFamily,
     "BertForMaskedLM": BertFamily,
 }

@@ -17,6 +17,9 @@ from corral.convert.vocab import TOKENIZER_MODEL, add_json_vocab, add_spm_vocab
 # config.json's names for one setting, in the order llama.cpp looks for them.
 CONTEXT_KEYS = ("max_position_embeddings", "n_ctx", "n_positions", "max_length", "max_sequence_length", "model_max_length")
 FEED_FORWARD_KEYS = ("prefix_dense_intermediate_size", "dense_intermediate_size", "intermediate_size", "n_inner", "hidden_dim")
+# The vision side of a multimodal folder (Gemma3ForConditionalGeneration, LlavaForConditionalGeneration), with or
+# without the `model.` of some transformers releases.
+VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
 SCORING_KEYS = (
     "score_function", "scoring_func", "score_func", "moe_router_activation", "moe_router_activation_func", "expert_selection_fn"
 )
@@ -156,8 +159,8 @@ class TextFamily:
         return False
 
     def skip(self, name: str) -> bool:
-        """Tensors GGUF has no place for (rotary caches, multimodal towers)."""
-        return name.endswith((".attention.masked_bias", ".attention.bias", ".rotary_emb.inv_freq"))
+        """Tensors GGUF has no place for (rotary caches), and a vision model's tower, which corral.convert.projector writes."""
+        return name.endswith((".attention.masked_bias", ".attention.bias", ".rotary_emb.inv_freq")) or name.startswith(VISION_PREFIXES)
 
     def rename(self, name: str) -> str:
         """A folder's tensor name as gguf's TensorNameMap knows it."""

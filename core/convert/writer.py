@@ -78,6 +78,11 @@ def convert_folder(path: str | os.PathLike, out: str | os.PathLike, vocab: Vocab
         family.add_vocab(writer)
     else:
         vocab(writer, folder)
+    return write_out(writer, out)
+
+
+def write_out(writer: gguf.GGUFWriter, out: str | os.PathLike) -> Path:
+    """Write everything added to `writer` into the file `out` and close it."""
     out = Path(out)
     writer.write_header_to_file(path=out)
     writer.write_kv_data_to_file()

@@ -11,6 +11,14 @@ a tag, Q4_K_M, then Q8_0, then the repo's first model GGUF. Projector and imatri
 as models. The store name keeps the host and the tag as typed (`hf.co/user/repo:q4_k_m`, `:latest`
 without a tag), as `ollama list` shows them.
 
+Vision projectors. A repo that ships an `mmproj` GGUF beside the model gets it pulled too and stored as
+the model's projector layer (Ollama's media type), as Ollama's pull of such a repo gives one, so the
+model answers with images. Of several (`mmproj-F16`, `mmproj-Q8_0`, ...) the one llama.cpp's `-hf`
+picks: in the model's folder or one above it (the deepest such folder first), then the quant whose bit
+count is nearest the model's (Q4_K_M: Q8_0 before F16; an F16 model: F16), the first in path order on
+a tie. A projector no installed vision encoder reads, or one beside a text model that takes no images,
+is left out with a warning: the text model still works, and claims no vision it does not have.
+
 Into the store without copying twice: the file lands in the HF cache, and its cache blob is hard
 linked under the store's sha256 name; only across filesystems is it copied (hashed while copying).
 The Hub announces an LFS file's sha256, which is checked against the bytes once, when the blob enters
@@ -37,8 +45,9 @@ import huggingface_hub
 from huggingface_hub import errors as hub_errors
 
 from corral.distribution.gguf_split import merge_split
-from corral.errors import CorralError, GGUFError, InvalidModelNameError, ModelNotFoundError
-from corral.store import MODEL_MEDIA_TYPE, DigestMismatchError, Manifest, ModelName, Progress, PullError, Store, parse_name
+from corral.errors import CorralError, GGUFError, InvalidModelNameError, ModelNotFoundError, UnknownArchitectureError
+from corral.gguf import GGUFFile
+from corral.store import MODEL_MEDIA_TYPE, PROJECTOR_MEDIA_TYPE, DigestMismatchError, Manifest, ModelName, Progress, PullError, Store, parse_name
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +59,7 @@ _NOT_MODELS = ("mmproj", "imatrix")
 _REPO_PATH = re.compile(r"(?:[A-Za-z0-9_.+-]+/)*[A-Za-z0-9_.+-]+\.gguf", re.IGNORECASE)
 _SPLIT = re.compile(r"(?P<prefix>.+)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf", re.IGNORECASE)
 _QUANT = re.compile(r"[-.]([A-Za-z0-9_]+)$")
+_BITS = re.compile(r"\d+")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
@@ -109,6 +119,17 @@ class RepoFile:
         name = self.path.rsplit("/", 1)[-1].lower()
         return not any(word in name for word in _NOT_MODELS)
 
+    @property
+    def is_projector(self) -> bool:
+        """A vision projector (`mmproj` in the file name) in one file: split projectors are not taken."""
+        return "mmproj" in self.path.rsplit("/", 1)[-1].lower() and self.split is None
+
+    @property
+    def bits(self) -> int:
+        """The quant's bit count, as llama.cpp reads it: the first number in the quant (Q4_K_M 4, F16 16); 0 without one."""
+        match = _BITS.search(self.quant)
+        return int(match[0]) if match else 0
+
 
 def parse_reference(name: str | ModelName) -> HubReference:
     """Split `hf.co/<user>/<repo>[:<tag>]`; validated as any store name, the case kept for the Hub."""
@@ -142,6 +163,20 @@ def choose_files(files: Iterable[RepoFile], tag: str | None, repo_id: str, offli
     else:
         chosen = [file for quant in DEFAULT_QUANTS for file in firsts if file.quant == quant] or firsts
     return _split_set(chosen[0], models)
+
+
+def choose_projector(files: Iterable[RepoFile], model: RepoFile) -> RepoFile | None:
+    """The vision projector to pull with `model` (the first file of its set), by the rule in the module docstring; None without one."""
+    model_folders = model.path.split("/")[:-1]
+    best, best_rank = None, None
+    for file in sorted((file for file in files if file.is_projector), key=lambda file: file.path):
+        folders = file.path.split("/")[:-1]
+        if folders != model_folders[: len(folders)]:
+            continue  # in another folder than the model's or one of its parents
+        rank = (-len(folders), abs(file.bits - model.bits))
+        if best_rank is None or rank < best_rank:
+            best, best_rank = file, rank
+    return best
 
 
 def _quants(files: list[RepoFile]) -> str:
@@ -302,26 +337,52 @@ def _hub_errors(ref: HubReference) -> Iterator[None]:
 
 
 def pull(store: Store, name: str | ModelName, progress: Progress | None = None) -> Manifest:
-    """Fetch `hf.co/<user>/<repo>[:<quant>]` into the store; on failure the store is as it was."""
+    """Fetch `hf.co/<user>/<repo>[:<quant>]` (and its vision projector) into the store; on failure the store is as it was."""
     report = progress or (lambda event: None)
     ref = parse_reference(name)
     settings = HubSettings.from_environment()
     report({"status": "pulling manifest"})
-    files = choose_files(list_files(ref, settings), ref.tag, ref.repo_id, settings.offline)
+    listed = list_files(ref, settings)
+    files = choose_files(listed, ref.tag, ref.repo_id, settings.offline)
+    projector = choose_projector(listed, files[0])
     present = _present_blobs(store)
-    if len(files) == 1:
-        digest = _single_into_store(store, ref, files[0], settings, report)
-    else:
-        digest = _split_into_store(store, ref, files, settings, report)
+    pulled: list[str] = []  # digests this pull put into the store, in order
     try:
+        if len(files) == 1:
+            pulled.append(_single_into_store(store, ref, files[0], settings, report))
+        else:
+            pulled.append(_split_into_store(store, ref, files, settings, report))
+        layers = [(MODEL_MEDIA_TYPE, pulled[0])]
+        if projector is not None:
+            pulled.append(_single_into_store(store, ref, projector, settings, report))
+            if usable_projector(store.blob_path(pulled[0]), store.blob_path(pulled[1]), f"{ref.repo_id}/{projector.path}"):
+                layers.append((PROJECTOR_MEDIA_TYPE, pulled[1]))
         report({"status": "writing manifest"})
-        manifest = store.write_manifest(ref.name, [(MODEL_MEDIA_TYPE, digest)])
+        manifest = store.write_manifest(ref.name, layers)
     except BaseException:
-        if digest not in present:
-            store.prune([digest])  # this pull's blob goes again unless some manifest uses it
+        store.prune([digest for digest in pulled if digest not in present])  # unless some other manifest uses them
         raise
+    store.prune([digest for digest in pulled[1:] if digest not in present])  # a projector left out goes again
     report({"status": "success"})
     return manifest
+
+
+def usable_projector(model: Path, projector: Path, label: str) -> bool:
+    """Whether the projector file is one an installed vision encoder reads, beside a text model that takes images;
+    a warning says why not."""
+    from corral.registry import Plugins
+
+    plugins = Plugins()
+    try:
+        with contextlib.closing(GGUFFile.open(projector)) as vision, contextlib.closing(GGUFFile.open(model)) as text:
+            plugins.vision_encoder_for(vision)
+            if plugins.architecture_for(text).image_markers() is None:
+                log.warning("leaving out the projector %s: %s models take no images", label, text.architecture)
+                return False
+    except (GGUFError, UnknownArchitectureError) as error:
+        log.warning("leaving out the projector %s, so the model will not take images: %s", label, str(error).removeprefix(f"{projector}: "))
+        return False
+    return True
 
 
 def _present_blobs(store: Store) -> set[str]:

@@ -144,10 +144,12 @@ def check_spec(store: Store, spec: ModelSpec) -> tuple[Layer, ...]:
         _check_gguf(store.blob_path(digest), f"the uploaded file {digest}")
         _check_quantize(store.blob_path(digest), spec.quantize)
     elif spec.hf_folder is not None:
-        from corral.convert import ConvertError, check_folder  # torch: only a server that converts imports it
+        from corral.convert import ConvertError, HFFolder, check_folder, check_projector  # torch: only a server that converts imports it
 
         try:
             check_folder(spec.hf_folder)
+            if spec.projector_path is None:  # a second FROM replaces the folder's own vision tower
+                check_projector(HFFolder.open(spec.hf_folder))
         except ConvertError as error:
             raise CreateModelError(str(error)) from None
         if spec.quantize is not None:
@@ -234,10 +236,16 @@ def create_model(store: Store, name: str | ModelName, spec: ModelSpec, progress:
     if spec.hf_folder is not None:
         with tempfile.TemporaryDirectory(prefix="corral-convert-") as scratch:
             converted = _converted(spec.hf_folder, Path(scratch))
+            # A vision model's tower and projector become its projector layer (unless a second FROM gives one),
+            # converted before anything enters the store; kept at the folder's precision, as llama.cpp's `--mmproj`
+            # writes it: QUANTIZE is for the text model.
+            projector = _converted_projector(spec.hf_folder, Path(scratch)) if spec.projector_path is None else None
             if spec.quantize is not None:  # quantized from the scratch file: no float copy enters the store
                 _quantize_base(store, attrs.evolve(spec, hf_folder=None, gguf_path=converted), layers, created, report)
             else:
                 layers.append((MODEL_MEDIA_TYPE, _stored_file(store, converted, created)))
+            if projector is not None:
+                layers.append((PROJECTOR_MEDIA_TYPE, _stored_file(store, projector, created)))
     elif spec.quantize is not None:
         _quantize_base(store, spec, layers, created, report)
     elif spec.gguf_blob is not None:
@@ -307,6 +315,16 @@ def _converted(folder: Path, scratch: Path) -> Path:
 
     try:
         return convert_folder(folder, scratch / "model.gguf")
+    except ConvertError as error:
+        raise CreateModelError(str(error)) from None
+
+
+def _converted_projector(folder: Path, scratch: Path) -> Path | None:
+    """A vision model folder's tower and projector converted to a projector GGUF in `scratch`; None for a text model."""
+    from corral.convert import ConvertError, convert_projector
+
+    try:
+        return convert_projector(folder, scratch / "mmproj.gguf")
     except ConvertError as error:
         raise CreateModelError(str(error)) from None
 

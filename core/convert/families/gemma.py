@@ -66,7 +66,8 @@ class Gemma2Family(GemmaFamily):
 
 
 class Gemma3Family(TextFamily):
-    """Gemma 3: the norms' +1 folded into their weights, embedding rows past the tokenizer's dropped, SWA."""
+    """Gemma 3: the norms' +1 folded into their weights, embedding rows past the tokenizer's dropped, SWA. A
+    Gemma3ForConditionalGeneration folder's vision tower and projector are left to corral.convert.projector."""
 
     arch = gguf.MODEL_ARCH.GEMMA3
     defaults = {
