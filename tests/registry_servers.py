@@ -279,5 +279,6 @@ class _Server(http.server.ThreadingHTTPServer):
 def _serve_in_thread(handler) -> http.server.ThreadingHTTPServer:
     server = _Server(("127.0.0.1", 0), handler)
     server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    # a short poll: shutdown() waits for the loop to look (0.5 s by default), and every test closes its server
+    threading.Thread(target=server.serve_forever, args=(0.02,), daemon=True).start()
     return server
