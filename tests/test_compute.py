@@ -40,6 +40,7 @@ async def test_a_cancelled_caller_waits_for_the_work_to_finish():
     assert scope.cancelled_caught
 
 
+@pytest.mark.slow  # a subprocess that imports torch
 def test_large_buffers_are_reused_instead_of_mapped_afresh_each_time():
     # A step's activations: twenty 4 MB buffers (20480 pages) made, written and freed, round after
     # round, through glibc's malloc as torch's CPU allocator does. With glibc's own thresholds this
