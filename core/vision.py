@@ -88,17 +88,23 @@ class ImageEncoder:
         if kept is not None:
             self._kept.move_to_end(image.digest)
             return kept
-        # The patches are one sequence's rows: told so, the backend runs each projection over all of them in
-        # one call (without a batch it treats rows as lone decode rows, in chunks of a few: 4x slower here).
-        patches = Batch.single(np.zeros(self.encoder.tower_rows, dtype=np.int64))
-        ctx = self.backend.new_context(patches)
-        (embeddings,) = ctx.compute(self.encoder.encode(ctx, self.pixels(image)))
+        embeddings = self.encode_pixels(self.pixels(image))
         self.encoded += 1
         self._kept[image.digest] = embeddings
         self._digests[placeholder_id(image.digest)] = image.digest
         while len(self._kept) > EMBEDDINGS_KEPT:
             gone, _ = self._kept.popitem(last=False)
             self._digests.pop(placeholder_id(gone), None)
+        return embeddings
+
+    def encode_pixels(self, pixels: np.ndarray) -> Any:
+        """The encoder's graph over preprocessed pixels, computed (no cache)."""
+        # The patches are one sequence's rows and there is no cache: told so, the backend runs each
+        # projection over all of a tensor's rows in one call, whatever rows the graph kept (without a
+        # batch it treats rows as lone decode rows, in chunks of a few: 4x slower in a Gemma 3-shaped block).
+        patches = Batch.single(np.zeros(self.encoder.tower_rows, dtype=np.int64))
+        ctx = self.backend.new_context(patches)
+        (embeddings,) = ctx.compute(self.encoder.encode(ctx, pixels))
         return embeddings
 
     def kept(self, placeholder: int) -> Any:

@@ -319,3 +319,31 @@ def test_unrounded_yarn_ramps_between_the_exact_turning_pairs():
     angles = trained_angles / factor * (1 - keep) + trained_angles * keep
     torch.testing.assert_close(got, naive_neox_rope(x, positions, angles, magnitude=1 + 0.1 * math.log(factor)), rtol=0, atol=1e-4)
     assert low != math.floor(low) and high != math.ceil(high)  # rounding would have moved both ends
+
+
+def linear_over_kept_rows(sequences, monkeypatch) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """A dense linear over all but the first row of a batch's activations (as LLaVA drops its class row before
+    its projector): the result, the product written out, and how many matrix products it took."""
+    import torch.nn.functional as F
+
+    n = len(sequences)
+    rng = np.random.default_rng(17)
+    x, w = rng.standard_normal((n, IN), dtype=np.float32), torch.from_numpy(rng.standard_normal((OUT, IN), dtype=np.float32))
+    products, linear = [], F.linear
+    monkeypatch.setattr(F, "linear", lambda *args: products.append(1) or linear(*args))
+    batch = Batch(np.zeros(n, np.int64), np.arange(n, dtype=np.int64), np.asarray(sequences, np.int64), np.arange(n, dtype=np.int64))
+    out = run_ops(lambda ctx: ctx.linear(ctx.split(constant(ctx, x), [1, n - 1], dim=0)[1], DenseWeight(w)), batch)
+    return out, torch.from_numpy(x[1:]).double() @ w.double().T, len(products)
+
+
+def test_an_encoder_pass_multiplies_the_rows_its_graph_kept_in_one_product(monkeypatch):
+    out, expected, products = linear_over_kept_rows([0] * 65, monkeypatch)  # one sequence, no cache: an image's patches
+    assert products == 1
+    torch.testing.assert_close(out.double(), expected, rtol=0, atol=1e-5 * float(expected.abs().max()))
+
+
+def test_rows_a_decode_batch_selects_stay_lone_rows(monkeypatch):
+    """Two sequences: rows the runs do not cover are taken as single rows (in chunks), the batch-invariant decode path."""
+    out, expected, products = linear_over_kept_rows([0] * 33 + [1] * 32, monkeypatch)
+    assert products == 64 // 8
+    torch.testing.assert_close(out.double(), expected, rtol=0, atol=1e-5 * float(expected.abs().max()))

@@ -67,3 +67,17 @@ def test_default_precision_picks_transformers_argmax_where_it_is_clear(llava):
     clear = (top2[:, 1] - top2[:, 0]) > 0.05 * np.abs(expected).max()
     assert clear.sum() >= len(ids) // 4
     np.testing.assert_array_equal(got[clear].argmax(1), expected[clear].argmax(1))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "auto"])
+def test_the_projector_in_one_product_gives_the_embeddings_of_the_lone_row_path(llava, precision, monkeypatch):
+    """The encoder pass runs the projector over the 64 rows left after the class row in one product each; the
+    path it took before (those rows as lone decode rows, in chunks) gives the same embeddings within float error."""
+    from corral.plugins.backends.torch import graph
+
+    model = load_model(llava.model, precision=precision, projector=llava.projector)
+    pixels = model.vision.pixels(decode(llava.image.read_bytes()))
+    now = model.backend.to_numpy(model.vision.encode_pixels(pixels))
+    monkeypatch.setattr(graph, "row_runs", lambda sequences, view: graph.sequence_runs(sequences))
+    before = model.backend.to_numpy(model.vision.encode_pixels(pixels))
+    np.testing.assert_allclose(now, before, rtol=0, atol=1e-6 * np.abs(before).max())

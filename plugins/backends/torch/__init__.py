@@ -18,7 +18,9 @@ native kernels compute every row alone, and attention reads each sequence's own 
 (attention.py); BLAS does not (it picks its algorithm by the row count), so a float linear
 runs each sequence's prompt chunk as its own call and single rows in chunks of 2..8, and long
 prompt runs of the int layouts take their prompt paths (layouts.py) chosen by the run's own
-length.
+length. An encoder pass (one sequence, no cache view: an image's patches, texts to embed) has
+nothing to be batched with: its linears multiply all their rows in one product, even rows its
+graph cut or pooled (graph.WHOLE_SEQUENCE).
 
 Graphs are recorded as (function, arguments) nodes (graph.py), rewritten once by the fusion
 passes (fusion.py), reused for later batches of the same shape and run eagerly by `compute()`

@@ -15,6 +15,8 @@ from typing import Any
 import attrs
 import torch
 
+from corral.plugins.backends.torch.graph import WholeSequence
+
 
 @attrs.frozen
 class ExpertWeights:
@@ -73,6 +75,8 @@ def _sequence_of_rows(runs: Sequence[tuple[int, int]] | None, rows: int) -> list
     """Which run (sequence) each batch row belongs to; every row its own when the runs are unknown."""
     if runs is None:
         return list(range(rows))
+    if isinstance(runs, WholeSequence):
+        return [0] * rows
     owner = [0] * rows
     for index, (start, stop) in enumerate(runs):
         owner[start:stop] = [index] * (stop - start)

@@ -74,7 +74,7 @@ class Graph:
     def bind(self, batch: Any, view: Any) -> None:
         """Point the graph's slots at another batch of the same shape."""
         self.bindings = {name: getattr(batch, name) for name in BATCH_FIELDS}
-        self.bindings["runs"] = sequence_runs(batch.sequences)
+        self.bindings["runs"] = row_runs(batch.sequences, view)
         self.bindings["view"] = view
         self.batch, self.view = batch, view
 
@@ -206,6 +206,28 @@ class Rewrite:
         """Install the new node list; returns `outputs` where they now are."""
         self.graph.nodes = self.nodes
         return tuple(self.new(out) for out in outputs)
+
+
+class WholeSequence:
+    """The row runs of an encoder pass: one sequence and no cache view (an image's patches, a text to embed).
+    Every row any tensor of its graph holds is that sequence's, however many rows the graph kept (LLaVA
+    drops its class row before the projector; a patch merger pools rows), so each linear is one product
+    over all its rows. With other sequences or a cache, rows the runs do not cover (selected outputs) are
+    lone rows, which is what keeps a decoder's sequences batch-invariant."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "WHOLE_SEQUENCE"
+
+
+WHOLE_SEQUENCE = WholeSequence()
+
+
+def row_runs(sequences: np.ndarray, view: Any) -> list[tuple[int, int]] | WholeSequence:
+    """The runs a graph's linears take: the batch's per-sequence runs, or WHOLE_SEQUENCE for an encoder pass."""
+    runs = sequence_runs(sequences)
+    return WHOLE_SEQUENCE if view is None and len(runs) == 1 else runs
 
 
 def sequence_runs(sequences: np.ndarray) -> list[tuple[int, int]]:

@@ -33,10 +33,11 @@ import torch.nn.functional as F
 
 from corral.plugins.backends.torch import native
 from corral.plugins.backends.torch.dequantize import INT4_GROUP, SLAB_ELEMENTS, dequantize
+from corral.plugins.backends.torch.graph import WholeSequence
 from corral.plugins.backends.torch.int4_packing import pack_int4_codes_for_cpu, scales_and_zeros
 from corral.topk import topk
 
-Runs = Sequence[tuple[int, int]] | None
+Runs = Sequence[tuple[int, int]] | WholeSequence | None
 
 # Dense BLAS picks its algorithm by the row count: single rows run in chunks of 2..8, which
 # measured bit-identical for any chunk size (one row alone would take the gemv path).
@@ -52,6 +53,8 @@ RESCORE_TOP = 128
 
 
 def _rows_or_all(runs: Runs, rows: int) -> list[tuple[int, int]]:
+    if isinstance(runs, WholeSequence):
+        return [(0, rows)]
     if runs is None or sum(stop - start for start, stop in runs) != rows:
         return [(i, i + 1) for i in range(rows)]
     return list(runs)
