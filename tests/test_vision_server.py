@@ -232,6 +232,24 @@ def test_corral_run_in_process_takes_the_projector_from_the_store(vision_store_r
 
 
 @each_family
+async def test_a_path_dropped_into_the_interactive_chat_attaches_the_image(vision_server, expected, monkeypatch, tmp_path):
+    from click.testing import CliRunner
+
+    from corral.cli import main
+
+    url, reference = vision_server
+    monkeypatch.setenv("CORRAL_HOST", url.removeprefix("http://"))
+    monkeypatch.setattr("corral.cli.commands.stdin_is_interactive", lambda: True)
+    (tmp_path / "a cat.png").write_bytes(reference.image.read_bytes())  # dropped into a terminal: the space escaped
+    turn = f"{PROMPT} {tmp_path}/a\\ cat.png\n/bye\n"
+    args = ["run", VISION, "--temperature", "0", "--num-predict", str(GREEDY["num_predict"])]
+    result = await trio.to_thread.run_sync(lambda: CliRunner().invoke(main, args, input=turn, catch_exceptions=False))
+    assert result.exit_code == 0, result.output
+    assert f"Added image '{tmp_path}/a cat.png'" in result.stderr
+    assert expected.chatted in result.stdout  # the reply to the text and the image, between the prompts
+
+
+@each_family
 async def test_corral_create_uploads_a_second_from_as_the_projector(vision_server, monkeypatch, tmp_path):
     url, reference = vision_server
     monkeypatch.setenv("CORRAL_HOST", url.removeprefix("http://"))
