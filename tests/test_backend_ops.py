@@ -347,3 +347,21 @@ def test_rows_a_decode_batch_selects_stay_lone_rows(monkeypatch):
     out, expected, products = linear_over_kept_rows([0] * 33 + [1] * 32, monkeypatch)
     assert products == 64 // 8
     torch.testing.assert_close(out.double(), expected, rtol=0, atol=1e-5 * float(expected.abs().max()))
+
+
+def test_two_files_with_the_same_tensor_names_keep_their_own_weights_on_one_backend(tmp_path):
+    # A model and its projector, or two models, may share a backend and tensor names: each gets its own.
+    from corral.gguf import GGUFFile
+    from tiny_gguf import write_tiny_llama
+
+    backend = TorchBackend("cpu", precision="fp32")
+    name = "blk.0.attn_q.weight"
+    weights = []
+    for seed in (1, 2):
+        gguf = GGUFFile.open(write_tiny_llama(tmp_path / f"seed{seed}.gguf", seed=seed))
+        weight = backend.load_tensor(gguf, gguf.tensors[name], "linear")
+        assert isinstance(weight, DenseWeight)
+        weights.append(weight.weight)
+    assert not torch.equal(weights[0], weights[1])
+    again = GGUFFile.open(tmp_path / "seed1.gguf")
+    assert backend.load_tensor(again, again.tensors[name], "linear").weight is weights[0]  # one copy a file's tensor

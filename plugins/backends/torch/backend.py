@@ -87,7 +87,7 @@ class TorchBackend:
         reference = precision == "fp32"
         self.dense_dtype = torch.bfloat16 if self.device.type == "cuda" and not reference else torch.float32
         self.kv_dtype = torch.float32 if reference else torch.bfloat16
-        self._dense: dict[str, torch.Tensor] = {}
+        self._dense: dict[tuple[str, str, torch.dtype], torch.Tensor] = {}  # (file, tensor, dtype) -> its dense copy
         self._graphs = GraphCache()
         self._stacked: dict[tuple[int, ...], tuple[Any, list[Any]]] = {}
         # This process's rank of a tensor-parallel model (core/parallel/); None: the whole model here.
@@ -122,7 +122,7 @@ class TorchBackend:
             return RescoredLogits(self._approximate_logits(raw, info), MappedRows(raw, info.qtype, cols))
         if layout == "int8":
             return Int8Weight.from_gguf(raw, info.qtype, cols)
-        dense = self._dequantized(info, raw, self._dense_dtype(role))
+        dense = self._dequantized(info, raw, self._dense_dtype(role), path)
         return dense if role == "embedding" else DenseWeight(dense)
 
     def layout(self, info: TensorInfo, role: str, path: Any = "") -> str:
@@ -184,9 +184,10 @@ class TorchBackend:
     def _dense_dtype(self, role: str) -> torch.dtype:
         return torch.float32 if role in ("logits", "embedding") else self.dense_dtype
 
-    def _dequantized(self, info: TensorInfo, raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        # A tied embedding is bound as "embedding" and as "logits": one dense copy serves both.
-        key = f"{info.name}:{dtype}"
+    def _dequantized(self, info: TensorInfo, raw: torch.Tensor, dtype: torch.dtype, path: Any) -> torch.Tensor:
+        # A tied embedding is bound as "embedding" and as "logits": one dense copy serves both. Keyed by
+        # the file too: a model and its projector (or two models) on one backend may share tensor names.
+        key = (str(path), info.name, dtype)
         if key not in self._dense:
             self._dense[key] = dequantize(raw, info.qtype, info.shape[-1], dtype=dtype).reshape(info.shape).to(self.device)
         return self._dense[key]
