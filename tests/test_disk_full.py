@@ -160,6 +160,7 @@ async def test_over_http_and_the_cli_a_full_disk_is_a_507_and_an_error_line(disk
     async with httpx.AsyncClient(base_url=server, timeout=60) as client:
         whole = await client.post("/api/pull", json={"model": name, "insecure": True, "stream": False})
         assert whole.status_code == 507
+        assert "507" in (await client.get("/openapi.json")).json()["paths"]["/api/pull"]["post"]["responses"]  # documented
         assert whole.json()["error"].startswith("the disk holding the model store is full (")
         assert "/" not in whole.json()["error"].split(";")[0] and "Traceback" not in whole.text
         assert_pull_undone(disk_store, before, whole.json()["error"])
