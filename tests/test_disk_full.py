@@ -14,7 +14,7 @@ import trio
 from click.testing import CliRunner
 from conftest import _serve
 from hub_server import HubServer
-from registry_servers import FakeRegistry, sha256
+from registry_servers import FakeRegistry, free_port, sha256
 from tiny_gguf import write_tiny_llama
 
 from corral.cli import main
@@ -171,11 +171,17 @@ async def test_over_http_and_the_cli_a_full_disk_is_a_507_and_an_error_line(disk
         assert lines[-1]["error"] == whole.json()["error"]
         assert_pull_undone(disk_store, before, lines[-1]["error"])
 
-    monkeypatch.setenv("CORRAL_HOST", server.removeprefix("http://"))
+    monkeypatch.setenv("CORRAL_HOST", server.removeprefix("http://"))  # the CLI pulls through the server
     cli = await trio.to_thread.run_sync(functools.partial(CliRunner().invoke, main, ["pull", name, "--insecure"]))
     assert cli.exit_code == 1
     assert "the disk holding the model store is full" in cli.output and "Traceback" not in cli.output
     assert_pull_undone(disk_store, before, cli.output)
+
+    monkeypatch.setenv("CORRAL_HOST", f"127.0.0.1:{free_port()}")  # no server there: the CLI pulls into the store itself
+    monkeypatch.setenv("CORRAL_MODELS", str(disk_store.root))
+    alone = await trio.to_thread.run_sync(functools.partial(CliRunner().invoke, main, ["pull", name, "--insecure"]))
+    assert alone.exit_code == 1 and "the disk holding the model store is full" in alone.output
+    assert_pull_undone(disk_store, before, alone.output)
 
 
 # --- hf.co pulls (tests/hub_server.py answers the Hub's endpoints) -----------------------------------

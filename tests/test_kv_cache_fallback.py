@@ -13,6 +13,7 @@ from conftest import TINY_LLAMA, _serve, copy_store
 from tiny_gguf import write_tiny_gemma3, write_tiny_llama
 
 from corral import memory
+from corral.engine import load_model
 from corral.kvcache import UnsupportedKVCacheTypeError
 from corral.plugins.backends.torch.kv_cells import QuantizedCells
 from corral.runner.process import RunnerProcess
@@ -46,6 +47,21 @@ async def test_the_servers_type_becomes_f16_with_one_warning_for_a_model_that_ca
     [warning] = fallback_warnings(caplog)
     assert warning.startswith("tiny-v24:latest: the KV cache type q8_0 cannot hold")
     assert "multiple of 32; this model's is 24" in warning
+
+
+async def test_a_loaded_model_passed_in_falls_back_too(keys_fit_values_do_not, caplog):
+    loaded = load_model(keys_fit_values_do_not)
+    try:
+        with caplog.at_level(logging.WARNING, logger="corral"):
+            async with Runtime.open(loaded, num_parallel=1, num_ctx=64, kv_cache_type="q4_0", kv_cache_fallback=True) as rt:
+                assert rt.cache.cache_type == "f16"
+        [warning] = fallback_warnings(caplog)
+        assert warning.startswith(f"{loaded.info.name}: the KV cache type q4_0")
+        with pytest.raises(UnsupportedKVCacheTypeError):
+            async with Runtime.open(loaded, num_parallel=1, num_ctx=64, kv_cache_type="q4_0"):
+                pass
+    finally:
+        loaded.close()
 
 
 async def test_the_servers_type_is_kept_for_a_model_that_can_take_it(tmp_path, caplog):
