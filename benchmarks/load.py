@@ -8,7 +8,8 @@ Each client sends /api/generate (streaming) and, in --soak mode, sends again as 
 ends. Reports completions, 503s (server busy: CORRAL_MAX_QUEUE), other failures (and a few of their
 messages), clients still unanswered when the time is up, p50/p99 time to
 first token of the completed requests, and the server's RSS (server process plus its runner
-processes, from /proc; the server's pid is found by its port) before and after. Prints JSON.
+processes, from /proc; the server's pid is found by its port) before and after, and the server
+process's highest RSS sampled each second while the clients ran (`rss_peak_server_mib`). Prints JSON.
 """
 
 from __future__ import annotations
@@ -120,14 +121,18 @@ async def run(args) -> dict:
         loaded = _family_rss_mib(pid)
         started = time.perf_counter()
         deadline = trio.current_time() + args.duration
+        peak = [loaded.get("server_mib", 0.0)]
         with trio.move_on_after(args.duration + 30):
-            async with trio.open_nursery() as nursery:
-                for _ in range(args.clients):
-                    nursery.start_soon(_client, http, args, results, deadline)
-                if args.soak:
-                    while trio.current_time() < deadline:
-                        await trio.sleep(min(60, args.duration))
-                        samples.append(_family_rss_mib(pid))
+            async with trio.open_nursery() as sampling:
+                sampling.start_soon(_sample_peak, pid, peak)
+                async with trio.open_nursery() as nursery:
+                    for _ in range(args.clients):
+                        nursery.start_soon(_client, http, args, results, deadline)
+                    if args.soak:
+                        while trio.current_time() < deadline:
+                            await trio.sleep(min(60, args.duration))
+                            samples.append(_family_rss_mib(pid))
+                sampling.cancel_scope.cancel()
     ttft = sorted(results.pop("ttft"))
     results["errors"] = sorted(set(results["errors"]))[:5]
     if not args.soak:  # clients with no answer when the time was up
@@ -138,7 +143,15 @@ async def run(args) -> dict:
         "ttft_p50_s": quantile(0.5), "ttft_p99_s": quantile(0.99),
         "ttft_mean_s": round(statistics.fmean(ttft), 3) if ttft else None,
         "rss_before": before, "rss_loaded": loaded, "rss_after": _family_rss_mib(pid), "rss_samples": samples,
+        "rss_peak_server_mib": peak[0],
     }
+
+
+async def _sample_peak(pid: int | None, peak: list[float]) -> None:
+    """The server's highest RSS, sampled each second, into `peak[0]` (the streams it holds cost memory only while open)."""
+    while True:
+        peak[0] = max(peak[0], _family_rss_mib(pid).get("server_mib", 0.0))
+        await trio.sleep(1)
 
 
 def main(argv: list[str] | None = None) -> dict:

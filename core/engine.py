@@ -14,7 +14,7 @@ import copy
 import os
 import pathlib
 import time
-from typing import Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import attrs
 import numpy as np
@@ -27,9 +27,11 @@ from corral.memory import release_freed_memory, reuse_large_buffers
 from corral.model import Batch
 from corral.registry import Plugins
 from corral.template import ChatTemplate
-from corral.tokenizer import Tokenizer
 from corral.images import DecodedImage
 from corral.vision import IMAGE_FILLER, ImageEncoder, ImageRun, ProjectorError, image_batch_fields, image_prompt_ids, tag_images
+
+if TYPE_CHECKING:
+    from corral.tokenizer import Tokenizer
 
 DEFAULT_NUM_CTX = 4096
 
@@ -282,7 +284,10 @@ def load_model(
         tensor_backend.set_threads(min(num_thread, os.cpu_count() or 1))  # more threads than cores only contend
     # Before any tensor loads: the binder asks `parallel` for each layer's shard; graphs send through `stage`.
     tensor_backend.parallel, tensor_backend.stage = parallel, stage
-    # The tokenizer (pure Python, ~1 s for a 262k vocabulary) builds while torch converts weights.
+    # The tokenizer (pure Python, ~1 s for a 262k vocabulary) builds while torch converts weights. Imported here: the
+    # routing server imports this module for ModelInfo and must not map the tokenizers library (see memory in BENCHMARKS.md).
+    from corral.tokenizer import Tokenizer
+
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
         tokenizer = pool.submit(Tokenizer.from_gguf, gguf.metadata)
         model = model_class.from_gguf(gguf, tensor_backend, blocks=stage and stage.blocks)

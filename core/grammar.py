@@ -21,14 +21,14 @@ import weakref
 from typing import TYPE_CHECKING, Any, Sequence
 
 import attrs
-import llguidance
-import llguidance.numpy
 
 from corral.errors import CorralError
-from corral.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
+    import llguidance
     import torch
+
+    from corral.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +65,8 @@ def compile_format(format: Any) -> Grammar | None:
     else:
         shown = repr(format)[:80]
         raise InvalidFormatError(f'format must be "json" or a JSON schema object, got {shown}')
+    import llguidance  # here, as torch below: the routing server loads this native library only for a request with a format
+
     try:
         source = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
     except (ValueError, TypeError) as exc:
@@ -78,6 +80,8 @@ def compile_format(format: Any) -> Grammar | None:
 def _compile_lark(text: Any) -> Grammar:
     if not isinstance(text, str):
         raise InvalidFormatError(f"{LARK_KEY} must be a Lark grammar string")
+    import llguidance
+
     source = llguidance.LLMatcher.grammar_from_lark(text)
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(source)
     if is_error:
@@ -107,6 +111,8 @@ class _TokenizerView:
 
 def ll_tokenizer(tokenizer: Tokenizer) -> llguidance.LLTokenizer:
     """llguidance's view of `tokenizer`, built once per tokenizer (seconds for a large vocabulary)."""
+    import llguidance
+
     with _LL_TOKENIZERS_LOCK:
         built = _LL_TOKENIZERS.get(tokenizer)
         if built is None:
@@ -128,6 +134,8 @@ class GrammarMatcher:
     @classmethod
     def start(cls, tokenizer: Tokenizer, grammar: Grammar) -> GrammarMatcher:
         """A matcher at the start of `grammar` (builds the model's llguidance tokenizer on first use)."""
+        import llguidance
+
         lltok = ll_tokenizer(tokenizer)
         matcher = llguidance.LLMatcher(lltok, grammar.source, log_level=0)
         if matcher.is_error():
@@ -152,6 +160,8 @@ class GrammarMatcher:
 
 @functools.cache
 def _executor() -> llguidance.LLExecutor:
+    import llguidance
+
     return llguidance.LLExecutor()
 
 
@@ -164,6 +174,7 @@ def _bit_shifts(device: torch.device) -> torch.Tensor:
 
 def mask_logits(logits: torch.Tensor, matchers: Sequence[GrammarMatcher]) -> torch.Tensor:
     """`logits` [b, V] with every token that row b's matcher does not allow set to -inf, in place."""
+    import llguidance.numpy
     import torch  # here, not at the top: the server compiles formats with this module and never imports torch
 
     vocab = matchers[0].vocab_size  # one model per runtime, so one tokenizer for every row

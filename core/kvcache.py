@@ -11,6 +11,7 @@ window, so their memory is bounded by the window, not the context.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import attrs
@@ -21,6 +22,8 @@ from corral.model import Batch, CacheLayer
 from corral.options import DEFAULT_KV_CACHE_TYPE, KV_CACHE_TYPES, InvalidOptionError
 
 EMPTY = -1
+
+log = logging.getLogger(__name__)
 
 
 class CacheFullError(CorralError):
@@ -33,6 +36,35 @@ def checked_kv_cache_type(value: object, source: str = "kv_cache_type") -> str:
     if name not in KV_CACHE_TYPES:
         raise InvalidOptionError(f"{source} must be one of {', '.join(KV_CACHE_TYPES)}, got {value!r}")
     return name
+
+
+class UnsupportedKVCacheTypeError(InvalidOptionError):
+    """The backend cannot hold this model's keys and values in the asked KV cache type (a 400: ask for f16)."""
+
+    def __init__(self, cache_type: str, reason: str):
+        super().__init__(f"kv_cache_type {cache_type}: {reason}; use f16")
+        self.cache_type, self.reason = cache_type, reason
+
+
+def usable_kv_cache_type(backend: Any, layers: list[CacheLayer], cache_type: str, *, fallback: bool = False, name: str = "") -> str:
+    """`cache_type` if the backend can hold every layer's keys and values that way.
+
+    Otherwise, as Ollama treats OLLAMA_KV_CACHE_TYPE: with `fallback` (the type is a server-wide
+    preference, not asked for this model) f16 and a warning naming the model `name` and why; without
+    it (a request or Modelfile asked for the type) UnsupportedKVCacheTypeError.
+    """
+    cache_type = checked_kv_cache_type(cache_type)
+    try:
+        for keys, values in CausalCache.buffer_shapes(layers, [1] * len(layers)):
+            backend.kv_buffer_bytes(keys, cache_type)  # raises as kv_buffer would
+            backend.kv_buffer_bytes(values, cache_type)
+    except UnsupportedKVCacheTypeError as error:
+        if not fallback:
+            raise
+        log.warning("%s: the KV cache type %s cannot hold this model's keys and values (%s); loading it with f16",
+                    name or "the model", cache_type, error.reason)
+        return DEFAULT_KV_CACHE_TYPE
+    return cache_type
 
 
 class CellPool:

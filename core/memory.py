@@ -24,7 +24,7 @@ import attrs
 
 from corral.errors import CorralError
 from corral.gguf import GGUFFile
-from corral.kvcache import DEFAULT_KV_CACHE_TYPE, CausalCache, runtime_cells
+from corral.kvcache import DEFAULT_KV_CACHE_TYPE, CausalCache, runtime_cells, usable_kv_cache_type
 from corral.model import config_from_gguf
 from corral.registry import Plugins
 
@@ -57,18 +57,24 @@ class MemoryEstimate:
 
 @attrs.frozen
 class LoadPlan:
-    """The context a model will load with, what that is predicted to cost, and what was available."""
+    """The context and KV cache type a model will load with, what that is predicted to cost, and what was available."""
 
     num_ctx: int
     estimate: MemoryEstimate
     available: int | None
+    kv_cache_type: str = DEFAULT_KV_CACHE_TYPE
 
 
 class Estimator:
-    """The memory prediction of one file on one backend, for any context (the file is read once)."""
+    """The memory prediction of one file on one backend, for any context (the file is read once).
+
+    The KV cache type is checked against the model's head dims first (`usable_kv_cache_type`): with
+    `kv_cache_fallback` one the backend cannot take becomes f16 (a warning naming `name`), else it is refused.
+    """
 
     def __init__(self, path: str | os.PathLike, num_parallel: int, num_batch: int = 512, plugins: Plugins | None = None,
-                 backend: Any = None, projector: str | os.PathLike | None = None, kv_cache_type: str = DEFAULT_KV_CACHE_TYPE):
+                 backend: Any = None, projector: str | os.PathLike | None = None, kv_cache_type: str = DEFAULT_KV_CACHE_TYPE,
+                 kv_cache_fallback: bool = False, name: str = ""):
         plugins = plugins or Plugins()
         gguf = GGUFFile.open(path)
         model_class = plugins.architecture_for(gguf)
@@ -77,8 +83,11 @@ class Estimator:
         self.trained = int(config.context_length)
         # As the runtime does: a batch never exceeds the context, so a huge num_batch predicts no huge buffer.
         num_batch = max(1, min(num_batch, self.trained))
-        self.num_parallel, self.num_batch, self.kv_cache_type = num_parallel, num_batch, kv_cache_type
         self._layers = model_class.cache_layout(config)
+        kv_cache_type = usable_kv_cache_type(
+            self.backend, self._layers, kv_cache_type, fallback=kv_cache_fallback, name=name or os.path.basename(os.fspath(path))
+        )
+        self.num_parallel, self.num_batch, self.kv_cache_type = num_parallel, num_batch, kv_cache_type
         # A vision projector's weights count as its file's size: its tensors are float32 and float16, held dense.
         self._weights = int(self.backend.resident_bytes(model_class.tensor_plan(gguf))) + (os.path.getsize(projector) if projector else 0)
         # What the backend's compute faults in beyond its tensors (kernel code pages and the like), if it says.
@@ -112,22 +121,24 @@ def estimate(
 def plan_load(
     path: str | os.PathLike, num_ctx: int, num_parallel: int, num_batch: int = 512, plugins: Plugins | None = None,
     device: str | None = None, precision: str = "auto", available: int | None = None, lower_context: bool = True,
-    projector: str | os.PathLike | None = None, kv_cache_type: str = DEFAULT_KV_CACHE_TYPE,
+    projector: str | os.PathLike | None = None, kv_cache_type: str = DEFAULT_KV_CACHE_TYPE, kv_cache_fallback: bool = False,
+    name: str = "",
 ) -> LoadPlan:
-    """The context to load `path` with so that the prediction fits in `available` (default: what is free now).
+    """The context (and KV cache type, see Estimator) to load `path` with so that the prediction fits in `available`
+    (default: what is free now); `name` is what warnings call the model (default: the file's name).
 
     With `lower_context` false a model that does not fit at `num_ctx` is refused rather than shrunk (the
     scheduler first tries that way, to unload idle models before it takes context from a new one).
     """
     plugins = plugins or Plugins()
     backend = plugins.open_backend(device=device, precision=precision)
-    estimator = Estimator(path, num_parallel, num_batch, plugins, backend, projector, kv_cache_type)
+    name = name or os.path.basename(os.fspath(path))
+    estimator = Estimator(path, num_parallel, num_batch, plugins, backend, projector, kv_cache_type, kv_cache_fallback, name)
     if available is None:
         available = available_bytes(estimator.backend)
     num_ctx = min(num_ctx, estimator.trained)
-    name = os.path.basename(os.fspath(path))
     fitted = fit_context(estimator, num_ctx, available, name=name, floor=None if lower_context else num_ctx)
-    return LoadPlan(fitted, estimator(fitted), available)
+    return LoadPlan(fitted, estimator(fitted), available, estimator.kv_cache_type)
 
 
 def fit_context(

@@ -249,7 +249,7 @@ class Backend(Protocol):
         """A zeroed native buffer for the KV cache [kv_heads, cells, dim]; under tensor parallelism, of the rank's KV heads.
 
         `cache_type` is one of corral.options.KV_CACHE_TYPES: "f16" (16-bit floats), or ggml's "q8_0" / "q4_0"
-        blocks; InvalidOptionError where the backend cannot hold these shapes that way."""
+        blocks; corral.kvcache.UnsupportedKVCacheTypeError where the backend cannot hold these shapes that way."""
 
     def from_numpy(self, array: np.ndarray) -> Any:
         """A native tensor on the backend's device (cache slots, masks)."""
@@ -267,7 +267,7 @@ class Backend(Protocol):
         """
 
     def kv_buffer_bytes(self, shape: Sequence[int], cache_type: str = "f16") -> int:
-        """Memory `kv_buffer(shape, cache_type)` would occupy."""
+        """Memory `kv_buffer(shape, cache_type)` would occupy; raises as `kv_buffer` would for a type these shapes cannot take."""
 
     def compute_overhead_bytes(self) -> int:
         """Optional: memory its first computations take beyond tensors and buffers (kernels' code pages); 0 if absent."""

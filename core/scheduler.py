@@ -25,7 +25,7 @@ from corral.discover import context_default, effective_num_ctx, system_info
 from corral.errors import CorralError, ModelNotFoundError
 from corral.kvcache import DEFAULT_KV_CACHE_TYPE, checked_kv_cache_type
 from corral.modelfile import model_defaults
-from corral.options import LOAD_TIME_OPTIONS, STANDARD_OPTIONS, parse_options
+from corral.options import LOAD_TIME_OPTIONS, STANDARD_OPTIONS, InvalidOptionError, parse_options
 from corral.parallel.shards import check_split
 from corral.registry import Plugins
 from corral.runner.interface import Runner
@@ -94,11 +94,18 @@ def setting(name: str, default: int) -> int:
 
 
 def kv_cache_type_from_env() -> str:
-    """CORRAL_KV_CACHE_TYPE, else Ollama's OLLAMA_KV_CACHE_TYPE, else f16; a clear error naming the variable for another value."""
+    """CORRAL_KV_CACHE_TYPE, else Ollama's OLLAMA_KV_CACHE_TYPE, else f16 (any case, as Ollama lowercases it).
+
+    As Ollama does with OLLAMA_KV_CACHE_TYPE, a name it does not know is logged as unsupported and the
+    cache stays f16: the setting is a preference, so a typo must not stop the server from serving."""
     for key in ("CORRAL_KV_CACHE_TYPE", "OLLAMA_KV_CACHE_TYPE"):
-        value = os.environ.get(key, "").strip()
+        value = os.environ.get(key, "").strip().lower()
         if value:
-            return checked_kv_cache_type(value, key)
+            try:
+                return checked_kv_cache_type(value, key)
+            except InvalidOptionError as error:
+                log.warning("%s; using %s", error, DEFAULT_KV_CACHE_TYPE)
+                return DEFAULT_KV_CACHE_TYPE
     return DEFAULT_KV_CACHE_TYPE
 
 
@@ -311,7 +318,9 @@ class Scheduler:
             template = await trio.to_thread.run_sync(self._template, entry.name)
             await trio.to_thread.run_sync(check_split, entry.path, *self._splits(entry.load_options).values())  # a clear 400 before any runner starts
             projector = await trio.to_thread.run_sync(self.store.projector_path, entry.name)
-            async with self._open_runtime(entry.path, entry.load_options, num_ctx, num_batch, template, lower_context, projector) as runtime:
+            async with self._open_runtime(
+                entry.name, entry.path, entry.load_options, num_ctx, num_batch, template, lower_context, projector
+            ) as runtime:
                 # The runner clamps to the trained context, known only now; this says so when a request asked for more.
                 effective_num_ctx(
                     entry.load_options.get("num_ctx"), runtime.info.context_length, None, self.default_num_ctx,
@@ -331,15 +340,18 @@ class Scheduler:
                 del self.loaded[entry.name]
 
     def _open_runtime(
-        self, path: Any, load_options: dict, num_ctx: int, num_batch: int, template: str | None, lower_context: bool,
+        self, name: str, path: Any, load_options: dict, num_ctx: int, num_batch: int, template: str | None, lower_context: bool,
         projector: Any = None,
     ) -> contextlib.AbstractAsyncContextManager[Runner]:
         """The model's runner: a child process by default (a native crash cannot take the server down), or in-process.
 
-        `projector`: the model's vision projector file, loaded beside it."""
+        `projector`: the model's vision projector file, loaded beside it. A `kv_cache_type` the request or
+        Modelfile asked for is refused (a 400) where the model cannot take it; the server's setting
+        falls back to f16 for such a model, with a warning, as Ollama's OLLAMA_KV_CACHE_TYPE does."""
+        asked = load_options.get("kv_cache_type")
         sizes = dict(
             num_parallel=self.num_parallel, num_ctx=num_ctx, num_batch=num_batch, lower_context=lower_context,
-            kv_cache_type=load_options.get("kv_cache_type") or self.kv_cache_type,
+            kv_cache_type=asked or self.kv_cache_type, kv_cache_fallback=asked is None, name=name,
         )
         num_thread = load_options.get("num_thread") or 0
         splits = self._splits(load_options)

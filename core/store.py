@@ -86,18 +86,30 @@ class StoreFullError(CorralError):
     """The disk holding the model store ran out of space while a blob was written (nothing was kept)."""
 
 
+def is_full_disk(error: BaseException) -> bool:
+    """Whether `error` is the file system saying it has no room (ENOSPC, or EDQUOT: the user's quota)."""
+    return isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+def full_disk_error(written: int = 0) -> StoreFullError:
+    """The error a full disk is reported as, after `written` bytes of the model were written and discarded.
+
+    A full disk is the user's to fix: one clear error, without the OSError's path of a temporary file."""
+    written_text = f" ({written / (1 << 20):.1f} MiB of the model written, then discarded)" if written else ""
+    return StoreFullError(
+        f"the disk holding the model store is full{written_text}; free some space or set CORRAL_MODELS to a store on a larger disk"
+    )
+
+
 @contextlib.contextmanager
-def _reporting_full_disk(store: Store, written: int) -> Iterator[None]:
-    # A full disk is the user's to fix: one clear error, without the OSError's path of a temporary file.
+def reporting_full_disk(written: int = 0) -> Iterator[None]:
+    """A full disk inside the block as StoreFullError (`full_disk_error`)."""
     try:
         yield
     except OSError as error:
-        if error.errno not in (errno.ENOSPC, errno.EDQUOT):
+        if not is_full_disk(error):
             raise
-        raise StoreFullError(
-            f"the disk holding the model store is full ({written >> 20} MiB of the model written, then discarded); "
-            "free some space or set CORRAL_MODELS to a store on a larger disk"
-        ) from None
+        raise full_disk_error(written) from None
 
 
 class BlobNotFoundError(CorralError):
@@ -313,7 +325,7 @@ class BlobWriter:
         Path(self._file.name).unlink(missing_ok=True)
 
     def write(self, chunk: bytes) -> None:
-        with _reporting_full_disk(self._store, self.size):
+        with reporting_full_disk(self.size):
             self._file.write(chunk)
         self._hash.update(chunk)
         self.size += len(chunk)
@@ -333,7 +345,7 @@ class BlobWriter:
         digest = self.digest
         if expected is not None and digest != expected:
             raise DigestMismatchError(f"content has digest {digest}, expected {expected}")
-        with _reporting_full_disk(self._store, self.size):
+        with reporting_full_disk(self.size):
             self._file.flush()
             os.fsync(self._file.fileno())
             self._file.close()
@@ -698,11 +710,18 @@ def _download_wheel(requirement: str, directory: Path) -> Path:
 
 
 def _write_atomically(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=path.parent, prefix=".partial-", delete=False) as file:
-        file.write(data)
-    os.chmod(file.name, _FILE_MODE)
-    os.replace(file.name, path)
+    """`data` as the file `path`, whole or not at all (a full disk leaves no temporary file: StoreFullError)."""
+    with reporting_full_disk():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        file = tempfile.NamedTemporaryFile(dir=path.parent, prefix=".partial-", delete=False)
+        try:
+            with file:
+                file.write(data)
+            os.chmod(file.name, _FILE_MODE)
+            os.replace(file.name, path)
+        except BaseException:
+            Path(file.name).unlink(missing_ok=True)
+            raise
 
 
 def default_store() -> Store:

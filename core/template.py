@@ -34,7 +34,6 @@ import jinja2.sandbox
 
 from corral.gotemplate import OllamaTemplate
 from corral.gotemplate.errors import TemplateError
-from corral.tokenizer import adds_bos
 
 CHATML = (
     "{% for message in messages %}"
@@ -83,6 +82,8 @@ class ChatTemplate:
     @classmethod
     def from_metadata(cls, metadata: dict[str, Any], default: str | None = None) -> ChatTemplate:
         """The file's chat template, else `default` (the architecture's), else ChatML."""
+        from corral.tokenizer import adds_bos  # tokenizers (a native library): runners load it, the routing server need not
+
         source = metadata.get("tokenizer.chat_template") or default or CHATML
         tokens = metadata.get("tokenizer.ggml.tokens") or []
         return cls(

@@ -1,7 +1,7 @@
 """Every OLLAMA_* setting the README promises is read and takes effect (CORRAL_* unset, as an Ollama user has it).
 
 OLLAMA_HOST is proven by tests/test_serve_lifecycle.py (a real `corral serve` bound through it);
-OLLAMA_ORIGINS belongs to the origin checks; OLLAMA_KV_CACHE_TYPE is not implemented yet (the KV cache is bf16).
+OLLAMA_ORIGINS belongs to the origin checks; OLLAMA_KV_CACHE_TYPE to tests/test_kv_cache_fallback.py (over HTTP).
 """
 
 import httpx

@@ -1,5 +1,8 @@
 """The server routes and its runner processes compute: `corral serve` never imports torch and stays small."""
 
+import subprocess
+import sys
+
 import httpx
 import pytest
 from conftest import TINY_LLAMA
@@ -23,3 +26,10 @@ def test_the_server_process_never_imports_torch_and_stays_under_80_mb(tiny_store
         assert runners and any(maps_torch(pid) for pid in runners)  # the model is computed, elsewhere
         assert not maps_torch(served.pid)
         assert resident_mib(served.pid) < SERVER_RSS_LIMIT_MIB
+
+
+def test_the_server_starts_without_the_native_libraries_only_runners_and_creates_need():
+    """tokenizers and llguidance (~8 MB of the server's RSS) load with the first create or constrained request, not at start."""
+    probe = "import sys, corral.server.serve, corral.server.app; print(sorted({'torch', 'tokenizers', 'llguidance'} & set(sys.modules)))"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"

@@ -93,6 +93,7 @@ class BlobDownload:
         self.record_path = store.blobs_dir / f"{stem}-partial.json"
         self.parts = self._recorded_parts() or plan_parts(layer.size, min_part_size)
         self.resumed = self.completed  # bytes an earlier pull left on disk
+        self.committed = False
         self._cancel = threading.Event()
         self._lock = threading.Lock()
 
@@ -202,9 +203,12 @@ class BlobDownload:
         if not self.path.exists():
             return  # discarded
         record = {"digest": self.layer.digest, "size": self.layer.size, "parts": parts}
-        tmp = self.record_path.with_name(self.record_path.name + ".tmp")
-        tmp.write_text(json.dumps(record))
-        os.replace(tmp, self.record_path)
+        self._record_tmp.write_text(json.dumps(record))
+        os.replace(self._record_tmp, self.record_path)
+
+    @property
+    def _record_tmp(self) -> Path:
+        return self.record_path.with_name(self.record_path.name + ".tmp")
 
     def verify(self) -> None:
         """Check the finished file against the digest; a mismatch discards it and raises."""
@@ -217,10 +221,11 @@ class BlobDownload:
         """Move the verified file into the store under its digest and drop the record."""
         os.chmod(self.path, 0o644)
         os.replace(self.path, self.store.blob_path(self.layer.digest))
+        self.committed = True
         self.record_path.unlink(missing_ok=True)
 
     def discard(self) -> None:
-        """Remove the partial file and its record."""
-        for path in (self.path, self.record_path):
+        """Remove the partial file and its record (and a record being replaced when the disk filled)."""
+        for path in (self.path, self.record_path, self._record_tmp):
             with contextlib.suppress(FileNotFoundError):
                 Path(path).unlink()

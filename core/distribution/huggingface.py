@@ -47,7 +47,10 @@ from huggingface_hub import errors as hub_errors
 from corral.distribution.gguf_split import merge_split
 from corral.errors import CorralError, GGUFError, InvalidModelNameError, ModelNotFoundError, UnknownArchitectureError
 from corral.gguf import GGUFFile
-from corral.store import MODEL_MEDIA_TYPE, PROJECTOR_MEDIA_TYPE, DigestMismatchError, Manifest, ModelName, Progress, PullError, Store, parse_name
+from corral.store import (
+    MODEL_MEDIA_TYPE, PROJECTOR_MEDIA_TYPE, DigestMismatchError, Manifest, ModelName, Progress, PullError, Store, StoreFullError,
+    is_full_disk, parse_name,
+)
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +84,10 @@ class HubOfflineError(ModelNotFoundError):
 
 class HubPullError(PullError):
     """The Hub could not be reached or answered an error."""
+
+
+class HubCacheFullError(StoreFullError):
+    """The disk holding the Hugging Face cache ran out of space while a file was downloaded into it (a 507, as the store's)."""
 
 
 @attrs.frozen
@@ -327,7 +334,12 @@ def _hub_errors(ref: HubReference) -> Iterator[None]:
         raise HubPullError(f"the Hugging Face Hub answered HTTP {status} for {repo}; try again later") from None
     except Exception as error:
         # Connection errors come from huggingface_hub's HTTP client (httpx, or its fork httpx2 in 2.x), which
-        # corral does not import; anything else is a bug and stays what it is.
+        # corral does not import; anything else is a bug and stays what it is. A full disk is neither.
+        if is_full_disk(error):
+            raise HubCacheFullError(
+                f"the disk holding the Hugging Face cache (HF_HUB_CACHE) is full while pulling {repo}; free some space "
+                "(`hf cache delete` removes cached models) or set HF_HUB_CACHE to a folder on a larger disk"
+            ) from None
         if not isinstance(error, OSError) and not type(error).__module__.startswith("httpx"):
             raise
         raise HubPullError(f"cannot reach the Hugging Face Hub for {repo}: {type(error).__name__}; check HF_ENDPOINT") from error

@@ -5,7 +5,9 @@ names a file, its layers must be Ollama's media types, and the blobs it declares
 store's disk. Each blob is downloaded into a resumable partial file (see `download`); only when every
 blob is there and matches its digest do they move into the store, and then the manifest, byte for
 byte as the registry sent it (so the model's digest is the registry's). A pull that fails leaves the
-store's blobs and manifests as they were; partial files stay for the next pull to continue.
+store's blobs and manifests as they were; partial files stay for the next pull to continue, except
+when the disk filled: then they go too (they hold the space the user must free), with every blob
+this pull had moved into the store, and the pull fails with StoreFullError.
 """
 
 from __future__ import annotations
@@ -13,14 +15,17 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from corral.distribution.download import MAX_PARTS, MIN_PART_SIZE, BlobDownload, exclusive_blob
 from corral.distribution.errors import NotEnoughSpaceError, UntrustedContentError
 from corral.distribution.oci import DOCKER_MANIFEST, OCI_MANIFEST, Registry, RegistryStatusError
 from corral.errors import InvalidModelNameError, ModelNotFoundError
-from corral.store import OLLAMA_LAYER_MEDIA_TYPES, TEMPLATE_MEDIA_TYPE, CorruptManifestError, Layer, Manifest, ModelName, Store
+from corral.store import (
+    OLLAMA_LAYER_MEDIA_TYPES, TEMPLATE_MEDIA_TYPE, CorruptManifestError, Layer, Manifest, ModelName, Store, StoreFullError, full_disk_error,
+    is_full_disk,
+)
 
 Progress = Callable[[dict], None]
 
@@ -50,25 +55,43 @@ def pull_model(
                 held.enter_context(exclusive_blob(store, layer.digest))
         downloads = {layer.digest: BlobDownload(store, layer, min_part_size) for layer in blobs if not store.has_blob(layer.digest)}
         _check_space(store, list(downloads.values()))
-        for layer in blobs:
-            download = downloads.get(layer.digest)
-            if download is None:
-                report(layer_progress("pulling", layer, layer.size))
-                continue
-            download.run(registry, repository, lambda completed, layer=layer: report(layer_progress("pulling", layer, completed)), workers)
-        report({"status": "verifying sha256 digest"})
-        for download in downloads.values():
-            download.verify()
-        _check_templates(store, blobs, downloads)
-        for download in downloads.values():
-            download.commit()
-        report({"status": "writing manifest"})
-        replaced = _stored_manifest(store, name)
-        stored = store.write_manifest_bytes(name, raw)
+        with _undone_when_the_disk_fills(store, downloads):
+            for layer in blobs:
+                download = downloads.get(layer.digest)
+                if download is None:
+                    report(layer_progress("pulling", layer, layer.size))
+                    continue
+                download.run(registry, repository, lambda completed, layer=layer: report(layer_progress("pulling", layer, completed)), workers)
+            report({"status": "verifying sha256 digest"})
+            for download in downloads.values():
+                download.verify()
+            _check_templates(store, blobs, downloads)
+            for download in downloads.values():
+                download.commit()
+            report({"status": "writing manifest"})
+            replaced = _stored_manifest(store, name)
+            stored = store.write_manifest_bytes(name, raw)
         if replaced is not None:
             store.prune(replaced.blobs - stored.blobs)  # as Ollama does: an updated model drops the layers only it used
     report({"status": "success"})
     return stored
+
+
+@contextlib.contextmanager
+def _undone_when_the_disk_fills(store: Store, downloads: dict[str, BlobDownload]) -> Iterator[None]:
+    """A disk that fills inside the block (a download's write, its record, the manifest) undoes the pull:
+    its partial files and the blobs it stored go, and StoreFullError says so."""
+    try:
+        yield
+    except (OSError, StoreFullError) as error:
+        if not (isinstance(error, StoreFullError) or is_full_disk(error)):
+            raise
+        written = sum(download.completed for download in downloads.values())
+        for download in downloads.values():
+            if download.committed:
+                store.blob_path(download.layer.digest).unlink(missing_ok=True)  # absent before this pull (see pull_model)
+            download.discard()
+        raise full_disk_error(written) from None
 
 
 def _check_templates(store: Store, blobs: list[Layer], downloads: dict[str, BlobDownload]) -> None:
@@ -155,5 +178,8 @@ def _check_space(store: Store, downloads: list[BlobDownload]) -> None:
     existing = next(path for path in (store.blobs_dir, *Path(store.blobs_dir).parents) if path.exists())
     free = shutil.disk_usage(existing).free
     if needed > free:
-        message = f"the model needs {needed} bytes but the store's disk has {free} free; free some space or pull a smaller model"
+        message = (
+            f"the disk holding the model store is too full for this model: it needs {needed / (1 << 20):.1f} MiB, "
+            f"{free / (1 << 20):.1f} MiB are free; free some space, pull a smaller model, or set CORRAL_MODELS to a store on a larger disk"
+        )
         raise NotEnoughSpaceError(message)

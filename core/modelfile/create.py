@@ -44,7 +44,6 @@ from corral.store import (
     parse_name,
 )
 from corral.template import TemplateError, compile_template
-from corral.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -210,6 +209,8 @@ def _check_gguf(path: Path, what: str) -> None:
 
 def _check_tokenizer(metadata: dict) -> None:
     """The tokenizer must build from the file's metadata, as loading builds it (about a second for 262k tokens)."""
+    from corral.tokenizer import Tokenizer  # tokenizers (a native library) enters the server with its first create
+
     try:
         Tokenizer.from_gguf(metadata)
     except CorralError as error:

@@ -121,7 +121,8 @@ async def serve(args: argparse.Namespace, template: str | None, handshake: IO[st
             args.model, num_parallel=args.num_parallel, num_ctx=args.num_ctx, num_batch=args.num_batch,
             precision=args.precision, device=args.device, template=template, num_thread=args.num_thread,
             tensor_parallel=args.tensor_parallel, pipeline_parallel=args.pipeline_parallel, projector=args.projector,
-            lower_context=not args.keep_context, kv_cache_type=args.kv_cache_type,
+            lower_context=not args.keep_context, kv_cache_type=args.kv_cache_type, kv_cache_fallback=args.kv_cache_fallback,
+            name=args.name,
         ) as runtime:
             ready = True
             token = secrets.token_hex(16)
@@ -201,6 +202,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tensor-parallel", type=int, default=1, help="rank processes the model is split over (corral.parallel)")
     p.add_argument("--pipeline-parallel", type=int, default=1, help="stages the model's blocks are split into (corral.parallel)")
     p.add_argument("--kv-cache-type", default="f16", help="how the KV cache holds keys and values: f16, q8_0 or q4_0")
+    p.add_argument("--kv-cache-fallback", action="store_true",
+                   help="load with f16 (a warning) when the model cannot take --kv-cache-type (a server-wide setting)")
+    p.add_argument("--name", default=None, help="what log lines call the model (default: the file's name)")
     p.add_argument("--keep-context", action="store_true", help="refuse to load rather than lower num_ctx to fit in memory")
     p.add_argument("--template-file", default=None, help="a Jinja chat template to use instead of the file's")
     p.add_argument("--projector", default=None, help="path of a vision projector (mmproj) GGUF to load beside the model")

@@ -156,6 +156,8 @@ class RunnerProcess:
         pipeline_parallel: int = 1,
         precision: str = "auto",
         kv_cache_type: str = "f16",
+        kv_cache_fallback: bool = False,
+        name: str | None = None,
         device: str | None = None,
         template: str | None = None,
         projector: str | os.PathLike | None = None,
@@ -167,6 +169,7 @@ class RunnerProcess:
         """Start a runner for the GGUF at `path`, wait until it has loaded, and stop it when the block exits.
 
         Raises RunnerLoadError, with the child's reason and last log lines, when it cannot load.
+        `kv_cache_fallback` and `name` are Runtime.open's.
         `env` adds variables to the allowed part of ours (see `runner_env`).
         """
         path = os.fspath(path)
@@ -177,7 +180,9 @@ class RunnerProcess:
             "--num-parallel", str(num_parallel), "--num-ctx", str(num_ctx), "--num-batch", str(num_batch),
             "--precision", precision, "--num-thread", str(num_thread), "--tensor-parallel", str(tensor_parallel),
             "--pipeline-parallel", str(pipeline_parallel), "--kv-cache-type", kv_cache_type,
-        ] + (["--device", device] if device else []) + (["--projector", os.fspath(projector)] if projector else []) + (
+        ] + (["--device", device] if device else []) + (["--kv-cache-fallback"] if kv_cache_fallback else []) + (
+            ["--name", name] if name else []
+        ) + (["--projector", os.fspath(projector)] if projector else []) + (
             [] if lower_context else ["--keep-context"]
         )
         template_file = _write_template(template) if template is not None else None

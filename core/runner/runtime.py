@@ -23,7 +23,7 @@ from corral import memory
 from corral.engine import LoadedModel, ModelInfo, load_model, resolve_model_path
 from corral.errors import CorralError
 from corral.grammar import Grammar, GrammarMatcher, compile_format
-from corral.kvcache import DEFAULT_KV_CACHE_TYPE, CausalCache, checked_kv_cache_type, runtime_cells
+from corral.kvcache import DEFAULT_KV_CACHE_TYPE, CausalCache, checked_kv_cache_type, runtime_cells, usable_kv_cache_type
 from corral.options import InvalidOptionError, Options, parse_options
 from corral.pooling import POOLINGS, normalize, shorten
 from corral.registry import Plugins
@@ -120,6 +120,8 @@ class Runtime:
         projector: str | None = None,
         lower_context: bool = True,
         kv_cache_type: str = DEFAULT_KV_CACHE_TYPE,
+        kv_cache_fallback: bool = False,
+        name: str | None = None,
     ) -> AsyncIterator[Runtime]:
         """Load `model` (a store name or a GGUF path) and serve it until the block exits.
 
@@ -132,7 +134,10 @@ class Runtime:
         `projector`: a vision projector (mmproj) file loaded beside the model, so requests may carry images.
         Before loading a file, its memory estimate is checked against what is free: the context is lowered
         to fit, or (`lower_context` false, or nothing fits) InsufficientMemoryError is raised.
-        `kv_cache_type` (f16, q8_0 or q4_0, as Ollama's OLLAMA_KV_CACHE_TYPE) says how the KV cache holds keys and values.
+        `kv_cache_type` (f16, q8_0 or q4_0, as Ollama's OLLAMA_KV_CACHE_TYPE) says how the KV cache holds keys and values;
+        one the model cannot take (a head dim off the 32-value block) is refused with UnsupportedKVCacheTypeError, or, with
+        `kv_cache_fallback` (the type is the server's setting, not asked for this model), replaced by f16 with a warning
+        that calls the model `name` (default: the file's name).
         """
         kv_cache_type = checked_kv_cache_type(kv_cache_type)
         for key, value in (("tensor_parallel", tensor_parallel), ("pipeline_parallel", pipeline_parallel)):
@@ -142,14 +147,18 @@ class Runtime:
         estimate = 0
         if isinstance(model, LoadedModel):
             loaded, plugins = model, plugins or model.plugins
+            kv_cache_type = usable_kv_cache_type(
+                loaded.backend, loaded.model.cache_layers(), kv_cache_type, fallback=kv_cache_fallback, name=name or loaded.info.name
+            )
         else:
             plugins = plugins or Plugins()
             path = await trio.to_thread.run_sync(resolve_model_path, model)
             plan = await compute.run(functools.partial(
                 memory.plan_load, path, num_ctx, num_parallel, num_batch, plugins,
                 device=device, precision=precision, lower_context=lower_context, projector=projector, kv_cache_type=kv_cache_type,
+                kv_cache_fallback=kv_cache_fallback, name=name or "",
             ))
-            num_ctx, estimate = plan.num_ctx, plan.estimate.total
+            num_ctx, estimate, kv_cache_type = plan.num_ctx, plan.estimate.total, plan.kv_cache_type
             owned = loaded = await compute.run(
                 functools.partial(
                     load_model, path, precision=precision, device=device, plugins=plugins, num_thread=num_thread,

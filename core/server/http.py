@@ -10,7 +10,7 @@ from typing import Any, AsyncIterator, Callable
 
 import quart
 
-from corral.distribution.errors import RegistryError
+from corral.distribution.errors import NotEnoughSpaceError, RegistryError
 from corral.errors import (
     CorralError,
     GGUFError,
@@ -57,6 +57,7 @@ _STATUS_BY_ERROR: list[tuple[type[BaseException], int]] = [
     (MissingTensorError, 500),
     (GGUFError, 500),
     (StoreFullError, 507),  # Insufficient Storage: the server's disk, not the request
+    (NotEnoughSpaceError, 507),  # the same, found before a pull wrote anything
     (RegistryError, 502),  # the registry failed or sent something unusable: not the client's fault, nor ours
 ]
 

@@ -244,6 +244,7 @@ _REASONS = {
     400: "Bad request", 401: "Missing or wrong API key (CORRAL_API_KEY)", 403: "Origin or Host not allowed",
     404: "Model not found", 500: "Server error",
     502: "The model registry failed or sent something refused", 503: "Server busy",
+    507: "The disk holding the model store is full (nothing was kept)",
 }  # fmt: skip
 
 
@@ -326,15 +327,15 @@ OPERATIONS: dict[tuple[str, str], dict] = {
     ("/api/tags", "get"): _op("Models in the store", "ollama", response="TagsResponse", errors=(500,), links=_TAGS_LINKS),
     ("/api/show", "post"): _op("Describe a model", "ollama", "ShowRequest", "ShowResponse"),
     ("/api/ps", "get"): _op("Loaded models", "ollama", response="PsResponse", errors=(500,)),
-    ("/api/create", "post"): _op("Create a model", "ollama", "CreateRequest", "Progress", stream=_NDJSON),
+    ("/api/create", "post"): _op("Create a model", "ollama", "CreateRequest", "Progress", stream=_NDJSON, errors=(400, 404, 500, 507)),
     ("/api/copy", "post"): _op("Copy a model", "ollama", "CopyRequest"),
     ("/api/delete", "delete"): _op("Delete a model", "ollama", "ModelRequest"),
-    # 502: the registry failed, or sent a manifest or blob that was refused.
-    ("/api/pull", "post"): _op("Pull a model", "ollama", "PullRequest", "Progress", stream=_NDJSON, errors=(400, 404, 500, 502)),
+    # 502: the registry failed, or sent a manifest or blob that was refused; 507: the store's disk is full.
+    ("/api/pull", "post"): _op("Pull a model", "ollama", "PullRequest", "Progress", stream=_NDJSON, errors=(400, 404, 500, 502, 507)),
     ("/api/push", "post"): _op("Push a model", "ollama", "PullRequest", "Progress", stream=_NDJSON, errors=(400, 404, 500, 502)),
     ("/api/blobs/{}", "head"): _op("Whether the store holds a blob", "ollama", errors=(404,)),
     ("/api/blobs/{}", "post"): _op(
-        "Upload a blob", "ollama", status="201", errors=(400, 500),
+        "Upload a blob", "ollama", status="201", errors=(400, 500, 507),
         request_content={"application/octet-stream": {"schema": {"type": "string", "contentMediaType": "application/octet-stream"}}},
     ),
     ("/api/tokenize", "post"): _op("Token ids of a text", "corral", "TokenizeRequest", "TokenizeResponse", links=_TOKENIZE_LINKS),

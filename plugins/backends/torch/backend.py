@@ -12,7 +12,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from corral.errors import UnsupportedTensorTypeError
-from corral.options import InvalidOptionError
+from corral.kvcache import UnsupportedKVCacheTypeError
 from corral.gguf import GGUFFile, TensorInfo
 from corral.model import Batch
 from corral.parallel.shards import Shard, TensorParallel
@@ -22,7 +22,7 @@ from corral.plugins.backends.torch.dequantize import DEQUANTIZERS, INT4_GROUP, d
 from corral.plugins.backends.torch.experts import ExpertWeights
 from corral.plugins.backends.torch.fusion import stack_weights
 from corral.plugins.backends.torch.graph import GraphCache
-from corral.plugins.backends.torch.kv_cells import QuantizedCells
+from corral.plugins.backends.torch.kv_cells import QuantizedCells, refusal
 from corral.plugins.backends.torch.int4_packing import pack_int4_for_cpu, pack_int4_for_cuda
 from corral.plugins.backends.torch.sharding import shard_tensor
 from corral.plugins.backends.torch.layouts import DenseWeight, Int4Blocks, Int4Weight, Int8Weight, MappedRows, RescoredLogits, requantized_int4
@@ -72,6 +72,11 @@ def predicted_bytes(layout: str, info: TensorInfo) -> int:
     if layout == "int8":  # codes and a bf16 scale per row
         return count + 2 * rows
     raise ValueError(f"unknown layout {layout!r}")
+
+
+def _check_quantized_shape(cache_type: str, shape: Sequence[int]) -> None:
+    if (reason := refusal(cache_type, tuple(shape))) is not None:
+        raise UnsupportedKVCacheTypeError(cache_type, reason)
 
 
 class TorchBackend:
@@ -178,6 +183,7 @@ class TorchBackend:
     def kv_buffer_bytes(self, shape: Sequence[int], cache_type: str = "f16") -> int:
         """Memory `kv_buffer(shape, cache_type)` occupies."""
         if cache_type != "f16":
+            _check_quantized_shape(cache_type, shape)
             return QuantizedCells.nbytes_of(cache_type, tuple(shape))
         return math.prod(shape) * self.kv_dtype.itemsize
 
@@ -250,10 +256,8 @@ class TorchBackend:
         if self.parallel is not None:
             shape = self.parallel.kv_shape(shape)
         if cache_type != "f16":
-            try:
-                return QuantizedCells(cache_type, tuple(shape), self.kv_dtype, self.device)
-            except ValueError as error:
-                raise InvalidOptionError(f"kv_cache_type {cache_type}: {error}; use f16") from None
+            _check_quantized_shape(cache_type, shape)
+            return QuantizedCells(cache_type, tuple(shape), self.kv_dtype, self.device)
         return torch.zeros(tuple(shape), dtype=self.kv_dtype, device=self.device)
 
     def from_numpy(self, array: np.ndarray) -> torch.Tensor:

@@ -27,8 +27,8 @@ class QuantizedCells:
 
     def __init__(self, kind: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
         heads, cells, dim = shape
-        if dim % BLOCK:
-            raise ValueError(f"a {kind} KV cache needs head dims that are a multiple of {BLOCK}; this model's is {dim}")
+        if (reason := refusal(kind, shape)) is not None:
+            raise ValueError(reason)
         self.kind, self.shape, self.dtype, self.device = kind, tuple(shape), dtype, device
         code_dtype, code_dim = (torch.int8, dim) if kind == "q8_0" else (torch.uint8, dim // 2)
         self.codes = torch.zeros((heads, cells, code_dim), dtype=code_dtype, device=device)
@@ -60,6 +60,14 @@ class QuantizedCells:
         else:
             values = codes.unflatten(-1, (-1, BLOCK))
         return (values.float() * scales.float().unsqueeze(-1)).flatten(-2).to(self.dtype)
+
+
+def refusal(kind: str, shape: tuple[int, ...]) -> str | None:
+    """Why a `kind` buffer cannot have `shape` [kv_heads, cells, dim], or None when it can."""
+    dim = shape[-1]
+    if dim % BLOCK:
+        return f"a {kind} KV cache needs head dims that are a multiple of {BLOCK}; this model's is {dim}"
+    return None
 
 
 def store(buffer: torch.Tensor, cells: Any, new: torch.Tensor) -> None:
