@@ -22,6 +22,11 @@ Sections, in order (`--sections` picks some):
   dense, ...), the same decode in fp32 (the dense float32 path), peak device memory.
 * http, per real model: `corral serve` on the device, 8 and 32 concurrent greedy streams of
   64-token prompts and 64 tokens each (benchmarks/http_streams.py, as side_by_side.py measures).
+* tp, per real model, when the machine has more than one CUDA device (`--plan` lists the degrees):
+  the model split over 2, 3, ... of them (tensor parallelism, NCCL between the ranks' GPUs) against
+  one device: 16 greedy tokens in auto (a mismatch is reported, not failed: the all-reduces sum in
+  another order) and batch-1 prefill and decode speed. A degree the model's heads do not divide is
+  noted as refused. On one device, or on a CPU, it plans nothing and runs nothing.
 * graphs, per real model, last (a failed capture may leave the device unusable): whether the
   recorded decode graph of 1, 8 and 32 rows can be captured as a CUDA graph and replayed, the
   replay's logits against the eager step's and its step time. The backend does not capture graphs
@@ -51,7 +56,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
 
-SECTIONS = ("environment", "conformance", "correctness", "speed", "http", "graphs")
+SECTIONS = ("environment", "conformance", "correctness", "speed", "http", "tp", "graphs")
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at a temperature of"]
 FULL = dict(prefill=512, decode=128, batches=(1, 8, 32), batch_prompt=32, batch_steps=64, greedy=16, fp32_decode=32,
             http_streams=(8, 32), http_prompt=64, http_gen=64, graph_steps=32)
@@ -404,6 +409,46 @@ def http(name: str, sizes: dict) -> dict:
     return results
 
 
+# --- tensor parallelism over CUDA devices -------------------------------------------------------
+def tp_degrees(device: str) -> list[int]:
+    """The tensor-parallel degrees to run: 2 up to the number of CUDA devices (none on a CPU or on one device)."""
+    import torch
+
+    if not device.startswith("cuda") or not torch.cuda.is_available():
+        return []
+    return list(range(2, torch.cuda.device_count() + 1))
+
+
+def tensor_parallel(name: str, device: str, sizes: dict, degrees: list[int]) -> dict:
+    """`name` on one device, then split over each of `degrees` devices: greedy tokens and batch-1 speed."""
+    from corral.engine import load_model
+    from corral.parallel.shards import TensorParallelError
+
+    one = load_model(name, device=device, precision="auto")
+    ids = one.tokenize(PROMPTS[0], add_special=True)
+    expected = greedy(one, ids, sizes["greedy"])
+    results = {1: batch1(one, device, sizes["prefill"], sizes["decode"])}
+    del one
+    release()
+    for n in degrees:
+        try:
+            split = load_model(name, device=device, precision="auto", tensor_parallel=n)
+        except TensorParallelError as error:  # heads that n does not divide: refused before any rank starts
+            print(f"tp={n}: refused: {error}", flush=True)
+            results[n] = {"refused": str(error)}
+            continue
+        try:
+            result = {"greedy_match": greedy(split, ids, sizes["greedy"]) == expected}
+            result.update(batch1(split, device, sizes["prefill"], sizes["decode"]))
+        finally:
+            split.close()
+            release()
+        results[n] = result
+        print(f"tp={n}: prefill {result['prefill_tok_s']:.0f} tok/s, decode {result['decode_tok_s']:.1f} tok/s (batch 1; "
+              f"tp=1: {results[1]['decode_tok_s']:.1f}), greedy tokens as tp=1: {result['greedy_match']}", flush=True)
+    return results
+
+
 # --- CUDA graphs ------------------------------------------------------------------------------
 def graphs(name: str, device: str, sizes: dict) -> dict:
     """Per decode shape: capture the recorded decode step as a CUDA graph, replay it, compare and time."""
@@ -463,7 +508,7 @@ def graph_one(model, device: str, n: int, sizes: dict) -> dict:
 def plan(args: argparse.Namespace, sizes: dict) -> dict:
     """What the run would do: sections, models, architectures and sizes, computed without loading anything."""
     return {"device": args.device, "sections": args.sections, "models": args.models, "architectures": args.architectures or architectures(args.references),
-            "sizes": sizes, "budget_s": args.budget_s}
+            "sizes": sizes, "budget_s": args.budget_s, "tensor_parallel": tp_degrees(args.device) if "tp" in args.sections else []}
 
 
 def print_tables(results: dict) -> None:
@@ -500,6 +545,10 @@ def print_tables(results: dict) -> None:
     row("peak device memory (MB)", lambda m: f"{m['speed']['max_memory_allocated_mb']:.0f}")
     for n in sizes["http_streams"]:
         row(f"HTTP, {n} streams: tok/s, first token", lambda m, n=n: f"{m['http'][n]['aggregate_tok_s']:.0f}, {m['http'][n]['ttft_ms']:.0f} ms")
+    for n in results["plan"]["tensor_parallel"]:
+        row(f"tp={n}: decode tok/s, batch 1 (tp=1), same greedy tokens",
+            lambda m, n=n: (f"refused ({m['tp'][n]['refused'][:40]})" if "refused" in m["tp"][n] else
+                            f"{m['tp'][n]['decode_tok_s']:.1f} ({m['tp'][1]['decode_tok_s']:.1f}), {m['tp'][n]['greedy_match']}"))
     for n in sizes["batches"]:
         row(f"CUDA graph, {n} rows: eager / replay ms",
             lambda m, n=n: (f"{m['graphs'][n]['eager_step_ms']:.2f} / {m['graphs'][n]['replay_step_ms']:.2f}" if m["graphs"][n]["captured"]
@@ -534,6 +583,12 @@ def main() -> int:
         for section, fn, extra in (("correctness", correctness, (args.device, sizes)), ("speed", speed, (args.device, sizes)), ("http", http, (sizes,))):
             if section in want:
                 entry[section] = guarded(f"{name} {section}", fn, name, *extra, budget=budget)
+    if "tp" in want and results["plan"]["tensor_parallel"]:
+        for name in args.models:
+            results["models"][name]["tp"] = guarded(f"{name} tp", tensor_parallel, name, args.device, sizes,
+                                                    results["plan"]["tensor_parallel"], budget=budget)
+    elif "tp" in want:
+        print("\n=== tp\ntp: needs more than one CUDA device; skipped", flush=True)
     if "graphs" in want:  # last: a failed capture may leave the device unusable
         for name in args.models:
             results["models"][name]["graphs"] = guarded(f"{name} graphs", graphs, name, args.device, sizes, budget=budget)

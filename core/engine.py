@@ -331,7 +331,7 @@ def _load_split(
     load = dict(name_or_path=str(path), precision=precision, backend=backend, device=device, num_thread=threads)
     ranks = RankGroup(world, load, split, master)
     try:
-        loaded = load_model(path, precision, backend, device, plugins, threads, **ranks.role)
+        loaded = load_model(path, precision, backend, ranks.device, plugins, threads, **ranks.role)  # on CUDA: rank 0's GPU
         ranks.wait_loaded()
     except BaseException:
         ranks.close()

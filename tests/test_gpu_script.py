@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from tiny_gguf import WRITERS
 
 pytestmark = pytest.mark.slow  # the GPU script's CPU dry run: out of the fast subset (-m "not slow")
@@ -30,10 +31,12 @@ def test_plan_names_every_section_architecture_and_real_model():
     done = run_script("--plan")
     assert done.returncode == 0, done.stderr
     plan = json.loads(done.stdout.strip().splitlines()[-1])
-    assert plan["sections"] == ["environment", "conformance", "correctness", "speed", "http", "graphs"]
+    assert plan["sections"] == ["environment", "conformance", "correctness", "speed", "http", "tp", "graphs"]
     assert plan["models"] == ["smollm2", "gemma3:270m"]
     assert set(plan["architectures"]) == expected_architectures()
     assert plan["sizes"]["batches"] == [1, 8, 32]
+    # Tensor parallelism runs over 2.. CUDA devices: none here (gpu.tp_degrees, which the CUDA run plans with).
+    assert plan["tensor_parallel"] == (list(range(2, torch.cuda.device_count() + 1)) if torch.cuda.is_available() else [])
 
 
 def test_conformance_section_compares_architectures_on_cpu(tmp_path):

@@ -55,7 +55,7 @@ def main() -> None:
 @main.command()
 @click.option(
     "--tensor-parallel", type=click.IntRange(min=1), default=None, envvar="CORRAL_TENSOR_PARALLEL",
-    help="Split each model over N rank processes (torch.distributed, gloo on CPU); a request's tensor_parallel option wins.",
+    help="Split each model over N rank processes (torch.distributed: gloo on CPU, NCCL between GPUs); a request's tensor_parallel option wins.",
 )
 @click.option(
     "--pipeline-parallel", type=click.IntRange(min=1), default=None, envvar="CORRAL_PIPELINE_PARALLEL",

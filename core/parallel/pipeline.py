@@ -4,7 +4,7 @@ Stage 0 embeds the batch and runs the first blocks, sends the hidden states [tok
 stage 1, and so on; the last stage norms and projects the output rows and sends their logits back
 to stage 0, which samples. Each stage loads only its blocks' weights and holds only their KV cache,
 so a model larger than one host's memory runs across several. The transfers are torch.distributed
-point-to-point sends in the step's graph (gloo on CPU); what each step computes, and every cache
+point-to-point sends in the step's graph (gloo on CPU, NCCL between GPUs); what each step computes, and every cache
 change, reaches the stages as tensor parallelism's do (ranks.py, mirror.py).
 
 One batch is in flight at a time (no micro-batches): the stages take turns, so the split buys
@@ -32,6 +32,7 @@ class PipelineStage:
     blocks: range
     group: Any = None
     on_failure: Any = None  # rank 0's RankGroup: turns a failed transfer into a RankFailedError
+    device: Any = None  # this stage's torch.device, where received activations land (NCCL sends from and to GPU memory)
 
     @property
     def first(self) -> bool:
@@ -44,15 +45,15 @@ class PipelineStage:
     def send(self, tensor: torch.Tensor, peer: int) -> torch.Tensor:
         """Send a 2-D activation to stage `peer` (its shape first); returns it."""
         values = tensor.float().contiguous()
-        self._run(self.group.send, [torch.tensor(values.shape, dtype=torch.int64)], peer, 0)
+        self._run(self.group.send, [torch.tensor(values.shape, dtype=torch.int64, device=values.device)], peer, 0)
         self._run(self.group.send, [values], peer, 1)
         return tensor
 
     def receive(self, peer: int, after: Any = None) -> torch.Tensor:
         """The next 2-D activation stage `peer` sends (`after`: a value that must exist first, ordering the graph)."""
-        shape = torch.empty(2, dtype=torch.int64)
+        shape = torch.empty(2, dtype=torch.int64, device=self.device)
         self._run(self.group.recv, [shape], peer, 0)
-        values = torch.empty(tuple(shape.tolist()), dtype=torch.float32)
+        values = torch.empty(tuple(shape.tolist()), dtype=torch.float32, device=self.device)
         self._run(self.group.recv, [values], peer, 1)
         return values
 

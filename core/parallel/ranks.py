@@ -3,7 +3,9 @@
 Rank 0 is the process that loads the model (a runner process, or an embedding application); it
 starts ranks 1..N-1 with torch.multiprocessing, and all N meet in one gloo process group over a
 TCPStore on 127.0.0.1 (or at MASTER_ADDR:MASTER_PORT, for ranks on other hosts). Each rank loads
-only its part of the weights (shards.py, pipeline.py).
+only its part of the weights (shards.py, pipeline.py). On CUDA each rank takes its own GPU and the
+activations (all-reduces, stage transfers) go over a second group, NCCL's, between the GPUs; the
+ops rank 0 broadcasts are host bytes and stay on gloo (`collective_backend`, `rank_device`).
 
 Rank 0 keeps the model's only scheduler: the batching actor runs there and, before each step,
 broadcasts what the other ranks must do to stay in step with it (`Op`s: the step's batch, and
@@ -43,6 +45,9 @@ log = logging.getLogger(__name__)
 # out while idle. A dead peer is noticed at once through its closed sockets, not by this timeout.
 IDLE_TIMEOUT = datetime.timedelta(days=7)
 START_TIMEOUT = 300.0  # seconds for every rank to connect and load its shard
+# NCCL's collectives run only inside a step (the ranks idle in gloo's broadcast), so its watchdog may be short:
+# a rank that dies mid-step ends the others after this long instead of leaving them blocked for good.
+STEP_TIMEOUT = datetime.timedelta(minutes=10)
 STOP_TIMEOUT = 10.0
 FAILURE_GRACE = 2.0  # seconds to see which rank exited once a collective failed
 
@@ -71,6 +76,41 @@ def _group(store: Any, rank: int, world: int, local: bool) -> Any:
     return dist.ProcessGroupGloo(prefixed, rank, world, options)
 
 
+def resolved_device(device: str | None) -> str:
+    """The device a rank's backend loads on: the one asked for, else CUDA when present (the torch backend's default)."""
+    return device or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def collective_backend(device: str) -> str:
+    """torch.distributed's backend for the activations of a model split on `device`: NCCL between CUDA devices, gloo otherwise."""
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+def rank_device(device: str, local_rank: int, cuda_devices: int) -> str:
+    """The device of the rank that is `local_rank` on its host: on CUDA each rank takes its own GPU, counting from the
+    index asked for (NCCL cannot put two ranks on one GPU); any other device is shared by the ranks."""
+    where = torch.device(device)
+    if where.type != "cuda":
+        return device
+    index = (where.index or 0) + local_rank
+    if index >= cuda_devices:
+        raise TensorParallelError(
+            f"a split model's rank {local_rank} needs CUDA device {index}, and this host has {cuda_devices}: split it over fewer ranks"
+        )
+    return f"cuda:{index}"
+
+
+def _data_group(store: Any, rank: int, world: int, device: str, control: Any) -> Any:
+    """The group the activations go over: on CUDA an NCCL group of its own, else the gloo group that carries the ops."""
+    if collective_backend(device) == "gloo":
+        return control
+    if not dist.is_nccl_available():
+        raise TensorParallelError("this torch build has no NCCL: a model split over CUDA devices needs a CUDA build of torch")
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = STEP_TIMEOUT
+    return dist.ProcessGroupNCCL(dist.PrefixStore("nccl", store), rank, world, options)
+
+
 def _broadcast(group: Any, payload: bytes | None) -> bytes:
     """Rank 0's `payload` on every rank (its length first, then its bytes)."""
     size = torch.tensor([0 if payload is None else len(payload)], dtype=torch.int64)
@@ -82,7 +122,8 @@ def _broadcast(group: Any, payload: bytes | None) -> bytes:
 
 
 def rank_role(split: str, rank: int, world: int, group: Any, load: dict[str, Any], on_failure: Any = None) -> dict[str, Any]:
-    """What `load_model` takes to load `rank`'s part of a `split` ("tensor" or "pipeline") model."""
+    """What `load_model` takes to load `rank`'s part of a `split` ("tensor" or "pipeline") model; `group` carries the
+    activations and `load["device"]` is this rank's device."""
     if split == "tensor":
         return {"parallel": TensorParallel(rank, world, group, on_failure=on_failure)}
     from corral.gguf import GGUFFile
@@ -93,7 +134,8 @@ def rank_role(split: str, rank: int, world: int, group: Any, load: dict[str, Any
         blocks = int(gguf.metadata[f"{gguf.architecture}.block_count"])
     finally:
         gguf.close()
-    return {"stage": PipelineStage(rank, world, stage_blocks(blocks, world, rank), group, on_failure=on_failure)}
+    stage = PipelineStage(rank, world, stage_blocks(blocks, world, rank), group, on_failure=on_failure, device=torch.device(load["device"]))
+    return {"stage": stage}
 
 
 class RankGroup:
@@ -106,6 +148,8 @@ class RankGroup:
 
     def __init__(self, world: int, load: dict[str, Any], split: str = "tensor", master: tuple[str, int] | None = None):
         self.world = world
+        load = {**load, "device": resolved_device(load.get("device"))}  # the ranks' base device (each takes its own GPU)
+        self.device = rank_device(load["device"], 0, torch.cuda.device_count())  # rank 0's, which engine.py loads on
         host, port = master or ("127.0.0.1", 0)
         timeout = datetime.timedelta(seconds=START_TIMEOUT)
         listener = _listener(host, port)
@@ -127,9 +171,9 @@ class RankGroup:
         self._lock = threading.Lock()  # cache changes are queued from the event loop's thread and the compute thread
         self._next_cache = 0
         self.failed: str | None = None
-        group = _group(self.store, 0, world, local=master is None)
-        self.group = group
-        self.role = rank_role(split, 0, world, group, load, on_failure=self._fail)
+        self.group = _group(self.store, 0, world, local=master is None)  # rank 0's ops to the others: host bytes
+        data = _data_group(self.store, 0, world, self.device, self.group)
+        self.role = rank_role(split, 0, world, data, {**load, "device": self.device}, on_failure=self._fail)
 
     @property
     def pids(self) -> list[int]:
@@ -213,14 +257,18 @@ def _stop_processes(processes: list[Any]) -> None:
 def serve_rank(rank: int, world: int, host: str, port: int, load: dict[str, Any], split: str = "tensor", local: bool = True) -> None:
     """A rank process: join the group at host:port, load this rank's part, replay rank 0's ops until told to stop.
 
-    `local`: every rank is on this machine (started by rank 0), so the group binds to 127.0.0.1.
+    `local`: every rank is on this machine (started by rank 0), so the group binds to 127.0.0.1 and the rank is
+    also its local rank; a rank on another host is its LOCAL_RANK there (as torchrun sets it), else 0.
     """
     from corral.engine import load_model
 
     store = dist.TCPStore(host, port, world, is_master=False, timeout=datetime.timedelta(seconds=START_TIMEOUT))
     group = _group(store, rank, world, local)
     try:
-        model = load_model(**load, **rank_role(split, rank, world, group, load))
+        local_rank = rank if local else int(os.environ.get("LOCAL_RANK", "0"))
+        load = {**load, "device": rank_device(resolved_device(load.get("device")), local_rank, torch.cuda.device_count())}
+        data = _data_group(store, rank, world, load["device"], group)
+        model = load_model(**load, **rank_role(split, rank, world, data, load))
     except Exception as e:  # the load's error goes back to rank 0, which raises it
         store.set(f"loaded/{rank}", f"{type(e).__name__}: {e}")
         return

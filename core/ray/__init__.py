@@ -26,6 +26,14 @@ class SettingsError(CorralError):
     """An argument of `corral.ray:app` is unknown or of the wrong kind."""
 
 
+# How often a stopping replica checks that its requests are done (Ray Serve's default, 2 s, is also the least a stop
+# takes): each deployment of the application stops in turn, so `serve run`'s Ctrl-C waits this once per deployment.
+DRAIN_POLL_S = 0.5
+# How often Ray Serve's controller calls a replica's check_health (its default: 10 s). A replica that died is noticed at
+# its next check, so this bounds how long the application runs a replica short; a check is one loopback GET /health.
+HEALTH_CHECK_PERIOD_S = 2.0
+
+
 def _optional_int(value) -> int | None:
     return None if value in (None, "") else int(value)
 
@@ -63,6 +71,8 @@ class ReplicaSettings:
         options = {
             "max_ongoing_requests": self.max_ongoing_requests,
             "ray_actor_options": {"num_cpus": self.num_cpus},
+            "graceful_shutdown_wait_loop_s": DRAIN_POLL_S,
+            "health_check_period_s": HEALTH_CHECK_PERIOD_S,
             "request_router_config": RequestRouterConfig(request_router_class="corral.ray.routing:PrefixAffinityRouter"),
         }
         if self.min_replicas is not None or self.max_replicas is not None:
@@ -80,7 +90,7 @@ class ReplicaSettings:
 def build(settings: ReplicaSettings) -> serve.Application:
     """The application: the ingress (no CPU of its own: it only forwards) bound to the replicas."""
     replicas = serve.deployment(CorralReplica).options(**settings.deployment_options())
-    ingress = serve.deployment(CorralIngress).options(ray_actor_options={"num_cpus": 0})
+    ingress = serve.deployment(CorralIngress).options(ray_actor_options={"num_cpus": 0}, graceful_shutdown_wait_loop_s=DRAIN_POLL_S)
     return ingress.bind(replicas.bind(settings.model, settings.store, settings.runner))
 
 
