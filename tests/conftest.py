@@ -14,6 +14,7 @@ another way carry it explicitly.
 import json
 import os
 import pathlib
+import re
 import shutil
 import sys
 
@@ -39,6 +40,28 @@ REAL_MODEL_FIXTURES = frozenset({"smollm2_path", "gemma3_path", "sentence_transf
 PEER_FIXTURES = frozenset({"llama_cpp_dir"})
 # Fixtures that take seconds to build (a model made by transformers): their tests are left out of the fast subset.
 SLOW_FIXTURES = frozenset({"tiny_folder"})
+
+
+# A module's own marks: `pytestmark = pytest.mark.X` (or a list of marks) on one line at its top level.
+_MODULE_MARKS = re.compile(r"^pytestmark\s*=\s*(.+)$", re.MULTILINE)
+
+
+def pytest_ignore_collect(collection_path, config):
+    """Leave uncollected a test module whose own marks the -m expression excludes ("not X" in its
+    top-level `and`s): importing one costs seconds (ray, a browser driver, torch in a subprocess) that
+    deselecting its tests afterwards would not give back. Any other expression collects everything."""
+    if collection_path.suffix != ".py" or not collection_path.name.startswith("test_"):
+        return None
+    expression = config.option.markexpr
+    if not expression or " or " in expression or "(" in expression:
+        return None
+    excluded = {term.strip()[4:].strip() for term in expression.split(" and ") if term.strip().startswith("not ")}
+    if not excluded:
+        return None
+    declared = _MODULE_MARKS.search(collection_path.read_text(encoding="utf-8"))
+    if declared and excluded & set(re.findall(r"pytest\.mark\.(\w+)", declared.group(1))):
+        return True
+    return None
 
 
 def pytest_collection_modifyitems(items):

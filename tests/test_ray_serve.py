@@ -1,6 +1,7 @@
 """corral.ray on a local Ray instance: two replicas of a tiny model behind the OpenAI ingress (one Ray instance
-and one application for the whole module, which is what keeps it quick). The tests that need the instance are
-`slow` (it takes about a minute to start on two busy cores); the routing and settings tests below them are not."""
+and one application for the whole module, which is what keeps it quick). The module is `slow`: the instance
+takes about a minute to start on two busy cores, and importing ray alone takes seconds, which the fast
+subset does not pay (conftest leaves a module marked as a whole uncollected when the marks exclude it)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ from conftest import TINY_LLAMA, copy_store  # noqa: E402
 from corral.ray import ReplicaSettings, SettingsError, app, build  # noqa: E402
 from corral.ray.replica import REPLICA_HEADER  # noqa: E402
 from corral.ray.routing import PREFIX_CHARS, rank, routing_key  # noqa: E402
+
+pytestmark = pytest.mark.slow  # a Ray instance (and ray itself): out of the fast subset (-m "not slow")
 
 APP = "corral"
 
@@ -70,7 +73,6 @@ def _running_replicas() -> int:
     return serve.status().applications[APP].deployments["CorralReplica"].replica_states.get("RUNNING", 0)
 
 
-@pytest.mark.slow
 def test_two_replicas_both_serve(ingress):
     answered = set()
     for index in range(16):  # 16 prefixes all hashing to one of two replicas: odds 2 in 65,536
@@ -82,14 +84,12 @@ def test_two_replicas_both_serve(ingress):
     assert len(answered) == 2
 
 
-@pytest.mark.slow
 def test_requests_sharing_a_prefix_go_to_one_replica(ingress):
     system = "A long shared system prompt. " * (PREFIX_CHARS // 20)
     answered = {_chat(ingress, f"question {index}", system=system).headers[REPLICA_HEADER] for index in range(6)}
     assert len(answered) == 1
 
 
-@pytest.mark.slow
 def test_streaming_through_the_ingress(ingress):
     body = {"model": TINY_LLAMA, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True,
             "stream_options": {"include_usage": True}}
@@ -103,7 +103,6 @@ def test_streaming_through_the_ingress(ingress):
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] >= 1
 
 
-@pytest.mark.slow
 def test_completions_embeddings_and_models_through_the_ingress(ingress):
     completion = httpx.post(f"{ingress}/v1/completions", json={"model": TINY_LLAMA, "prompt": "Once", "max_tokens": 2}, timeout=60)
     assert completion.status_code == 200 and completion.json()["object"] == "text_completion"
@@ -114,7 +113,6 @@ def test_completions_embeddings_and_models_through_the_ingress(ingress):
     assert TINY_LLAMA in [model["id"] for model in models["data"]]
 
 
-@pytest.mark.slow
 def test_bad_requests_get_corrals_own_errors(ingress):
     bad_json = httpx.post(f"{ingress}/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"}, timeout=60)
     assert bad_json.status_code == 400 and "message" in bad_json.json()["error"]
@@ -131,7 +129,6 @@ def test_bad_requests_get_corrals_own_errors(ingress):
 REPLACEMENT_TIMEOUT = 180
 
 
-@pytest.mark.slow
 def test_a_killed_replica_is_replaced_while_requests_keep_succeeding(ingress):
     before = _replica_actors()
     assert len(before) == 2
