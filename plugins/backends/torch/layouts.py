@@ -12,7 +12,7 @@ whatever else is in the batch (batch invariance, see the package docstring):
 * `Int8Weight`  other quantized linears (Q5_x, Q6_K, Q8_0, ...): one int8 per weight and one scale
                 per output row (a quarter of float32's bytes, which is what decode reads per token),
                 through the native int8 kernel or `_weight_int8pack_mm`. Long prompt runs multiply
-                int8 by int8 (`_int_mm`).
+                int8 by int8 (`_int_mm`) where the CPU has VNNI; elsewhere the row kernel takes them.
 * `DenseWeight` float weights (F32/F16/BF16 files, the reference precision, CUDA).
 * `MappedRows`  embeddings: rows dequantized exactly from the file's memory map when looked up, so
                 a 262k-row table costs no resident memory.
