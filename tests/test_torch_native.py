@@ -88,7 +88,7 @@ def test_the_avx2_kernels_build_on_an_avx2_machine_without_avx512(fresh_native):
         pytest.skip("not an AVX2 machine without AVX-512 with cc")
     assert torch_native.variant() == "avx2"
     ported = {path.stem for path in (torch_native.SOURCE_DIR / "avx2").glob("*.c")}
-    assert {"int4_blocks", "rms_norm", "gated"} <= ported
+    assert {"int4_blocks", "int8_rows", "rms_norm", "gated", "row_attention"} <= ported
     assert all(torch_native.has(name) == (source in ported) for name, (source, _) in torch_native.SIGNATURES.items())
     assert sorted(path.name.split("-")[0] for path in fresh_native.iterdir()) == sorted(ported)
 
@@ -244,6 +244,78 @@ def test_int8_rows_matmul_matches_float64(rows, cols, dtype):
     bound = (x.double().abs().amax(1, keepdim=True) / 65534) @ weight.abs().sum(1, keepdim=True).T
     assert ((got.double() - expected).abs() <= bound + 1e-5 * expected.abs().max()).all()
     assert torch.equal(torch.cat([layer.matmul(x[i : i + 1]) for i in range(5)]), got)
+
+
+def avx512_int8_rows(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """native/int8_rows.c's int8_rows_matmul, operation for operation in float32 (both builds promise its bits):
+    int16 codes of each row, exact int32 sums in 16 lanes (columns 32i + 2j, 32i + 2j + 1 in lane j) flushed
+    to float every 2048 columns, the lanes added in sum16's order, times the row's and the weight's scales."""
+    x = x.float()
+    top = x.abs().amax(1, keepdim=True)
+    inverse = torch.where(top > 0, torch.tensor(32767.0) / top, torch.zeros(()))
+    q = torch.round(x * inverse).long()  # half to even, as vcvtps2dq
+    rows, cols = x.shape
+    products = q[:, None, :] * codes.long()[None]  # [rows, out, in], exact
+    flushes = products.reshape(rows, codes.shape[0], -1, 16, 2).sum(-1)  # [.., in / 32, lane]
+    lanes = torch.zeros(rows, codes.shape[0], 16)
+    for start in range(0, cols // 32, 64):
+        lanes = lanes + flushes[:, :, start : start + 64].sum(2).float()
+    quads = [(lanes[..., 4 * c] + lanes[..., 4 * c + 2]) + (lanes[..., 4 * c + 1] + lanes[..., 4 * c + 3]) for c in range(4)]
+    total = (quads[0] + quads[2]) + (quads[1] + quads[3])
+    return total * (top / 32767.0) * scales.float()
+
+
+@needs_native("int8_rows_matmul")
+@pytest.mark.parametrize("cols", [640, 4128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_int8_rows_matmul_is_the_avx512_arithmetic_bit_for_bit(cols, dtype):
+    # The AVX2 build splits each 16-lane register in two: the same integer sums and float additions.
+    # Same-signed weights and activations make lane sums past 2^24, where the order of additions
+    # shows (a sequential sum of the lanes differs in a third of these outputs).
+    weight = randn(32, cols, seed=40)
+    weight[:16] = weight[:16].abs() + 1
+    layer = Int8Weight.quantize(weight)
+    x = randn(6, cols, seed=41)
+    x[:3] = x[:3].abs() + 2
+    x[:, 5] *= 3
+    x[4] = 0
+    x = x.to(dtype)
+    got = torch_native.int8_rows_matmul(x, layer.codes, layer.scales)
+    assert torch.equal(got, avx512_int8_rows(x, layer.codes, layer.scales))
+
+
+@needs_native("int8_two_levels")
+@pytest.mark.parametrize("cols", [640, 77])  # 77: a tail shorter than a register
+def test_int8_two_levels_are_the_avx512_roundings(cols):
+    x = randn(5, cols, seed=42)
+    x[:, 2] *= 100
+    x[1] = 0
+    codes = torch.empty(10, cols, dtype=torch.int8)
+    scales = torch.empty(2, 5)
+    torch_native.function("int8_two_levels")(x.data_ptr(), False, 5, cols, codes.data_ptr(), scales.data_ptr(), 2)
+    top = x.abs().amax(1, keepdim=True)
+    s1, inv1 = top / 127, torch.where(top > 0, torch.tensor(127.0) / top, torch.zeros(()))
+    q1 = torch.round(x * inv1)
+    rest = (x.double() - q1.double() * s1.double()).float()  # exact in float64, then rounded once: the kernel's fnmadd
+    top2 = rest.abs().amax(1, keepdim=True)
+    s2, inv2 = top2 / 127, torch.where(top2 > 0, torch.tensor(127.0) / top2, torch.zeros(()))
+    q2 = torch.round(rest * inv2)
+    assert torch.equal(codes, torch.cat((q1, q2)).to(torch.int8))
+    assert torch.equal(scales, torch.cat((s1.T, s2.T)))
+
+
+@needs_native("int8_two_levels")
+def test_int8_prompt_matmul_matches_float64_and_each_row_alone():
+    layer = Int8Weight.quantize(randn(48, 640, seed=43) * 0.05)
+    x = randn(40, 640, seed=44)
+    x[:, 7] *= 200
+    weight = layer.dequantized().double()
+    got = torch_native.int8_prompt_matmul(x, layer.codes, layer.scales)
+    expected = x.double() @ weight.T
+    bound = (x.double().abs().amax(1, keepdim=True) / 16000) @ weight.abs().sum(1, keepdim=True).T  # two levels: ~1/32000
+    assert ((got.double() - expected).abs() <= bound + 1e-5 * expected.abs().max()).all()
+    for i in (0, 21, 39):
+        assert torch.equal(torch_native.int8_prompt_matmul(x[i : i + 1], layer.codes, layer.scales)[0], got[i])
 
 
 def test_int8_rows_take_only_whole_kernel_tiles():

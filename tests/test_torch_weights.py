@@ -559,3 +559,21 @@ def test_int8_prompt_rows_are_batch_invariant_with_or_without_int8_hardware(monk
     assert torch.allclose(prompt.float(), reference, rtol=0.02, atol=0.02)
     if not int8_hardware:
         assert torch.equal(prompt, alone)  # the row kernel for every row
+
+
+@pytest.mark.skipif(not torch_native.has("int8_rows_matmul"), reason="no native int8_rows_matmul build for this CPU")
+@pytest.mark.parametrize("int8_hardware", [True, False], ids=["vnni", "no-vnni"])
+def test_int8_prompt_rows_take_int_mm_only_with_int8_hardware_where_the_native_kernel_builds(monkeypatch, int8_hardware):
+    # Without VNNI, torch._int_mm is ~30x slower than the native row kernel, which then takes prompt rows too.
+    monkeypatch.setattr(torch_native, "int8_products_are_fast", lambda: int8_hardware)
+    gen = torch.Generator().manual_seed(1)
+    weight = torch_weights.Int8Weight(
+        torch.randint(-127, 128, (48, 64), dtype=torch.int8, generator=gen), (torch.rand(48, generator=gen) / 100).bfloat16()
+    )
+    x = torch.randn(40, 64, generator=gen)
+    prompt = weight.matmul(x, [(0, 40)])  # one run of 40 rows: a prompt chunk
+    assert prompt.dtype == torch.float32
+    rows = torch_native.int8_rows_matmul(x, weight.codes, weight.scales)
+    two_levels = torch_native.int8_prompt_matmul(x, weight.codes, weight.scales)
+    assert not torch.equal(rows, two_levels)  # the two paths round differently: the test tells them apart
+    assert torch.equal(prompt, two_levels if int8_hardware else rows)

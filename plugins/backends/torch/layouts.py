@@ -12,7 +12,7 @@ whatever else is in the batch (batch invariance, see the package docstring):
 * `Int8Weight`  other quantized linears (Q5_x, Q6_K, Q8_0, ...): one int8 per weight and one scale
                 per output row (a quarter of float32's bytes, which is what decode reads per token),
                 through the native int8 kernel or `_weight_int8pack_mm`. Long prompt runs multiply
-                int8 by int8 (`_int_mm`).
+                int8 by int8 (`_int_mm`) where the CPU has VNNI; elsewhere the row kernel takes them.
 * `DenseWeight` float weights (F32/F16/BF16 files, the reference precision, CUDA).
 * `MappedRows`  embeddings: rows dequantized exactly from the file's memory map when looked up, so
                 a 262k-row table costs no resident memory.
@@ -344,11 +344,13 @@ class Int8Weight:
         return self.codes.float() * self.scales.float()[:, None]
 
     def matmul(self, x: torch.Tensor, runs: Runs = None) -> torch.Tensor:
-        if native.takes_int8_rows(self.codes):
-            return _long_runs(x, runs, self._kernel, self._int8_rows, torch.float32)
-        if native.int8_products_are_fast():
-            return _long_runs(x, runs, self._kernel, self._int8_rows, torch.bfloat16)
-        return self._kernel(x)  # no int8 hardware: torch's row kernel for prompt rows too
+        # Prompt chunks take torch._int_mm only where the CPU multiplies int8 in hardware (VNNI):
+        # without it _int_mm is ~30x slower than the row kernels, native or torch's (measured:
+        # BENCHMARKS.md, Measurements behind code decisions), which then take prompt rows too.
+        if not native.int8_products_are_fast():
+            return self._kernel(x)
+        out_dtype = torch.float32 if native.takes_int8_rows(self.codes) else torch.bfloat16
+        return _long_runs(x, runs, self._kernel, self._int8_rows, out_dtype)
 
     def _int8_rows(self, runs: list[torch.Tensor]) -> list[torch.Tensor]:
         # Prompt chunks: int8 x int8 products, faster than dequantizing for float32 BLAS
