@@ -58,12 +58,17 @@ async function loadModels() {
   await selectModel(picker.value);
 }
 
+let selecting = 0; // the latest selectModel call: an earlier one's answer arriving after it is dropped
+
 async function selectModel(name) {
+  const mine = ++selecting;
   state.settings.model = name;
   saveState();
   capabilities = [];
   const response = await fetch("api/show", { method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify({ model: name }) });
-  if (response.ok) capabilities = (await response.json()).capabilities || [];
+  const shown = response.ok ? (await response.json()).capabilities || [] : [];
+  if (mine !== selecting) return; // the user (or the first listing) picked another model meanwhile
+  capabilities = shown;
   const chats = capabilities.includes("completion");
   $("json-toggle").hidden = !chats;
   $("think-toggle").hidden = !capabilities.includes("thinking");
