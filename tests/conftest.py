@@ -267,3 +267,14 @@ def no_allow_list_from_the_environment(monkeypatch):
     from corral.registry import ALLOW_ENV
 
     monkeypatch.delenv(ALLOW_ENV, raising=False)
+
+
+# LangChain's clients, imported by the tests that use them (not at collection: importing them takes seconds).
+@pytest.fixture(scope="session")
+def langchain_openai():
+    return pytest.importorskip("langchain_openai")
+
+
+@pytest.fixture(scope="session")
+def langchain_ollama():
+    return pytest.importorskip("langchain_ollama")

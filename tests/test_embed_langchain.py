@@ -12,16 +12,6 @@ import trio
 
 pytestmark = pytest.mark.slow  # a server driven through LangChain: out of the fast subset (-m "not slow")
 
-
-@pytest.fixture(scope="module")
-def langchain_openai():
-    return pytest.importorskip("langchain_openai")
-
-
-@pytest.fixture(scope="module")
-def langchain_ollama():
-    return pytest.importorskip("langchain_ollama")
-
 MODEL = "tiny-nomic"
 TEXTS = ["the cat sat on the mat", "a dog", "Ünïcödé ströng — 東京", "a longer text " * 20]  # the last is longer than the context: truncated
 

@@ -11,16 +11,6 @@ from test_tool_calls_server import ASK, CITY, LLAMA_CALL, TIME, WEATHER
 pytestmark = pytest.mark.slow  # a server driven through LangChain: out of the fast subset (-m "not slow")
 
 
-@pytest.fixture(scope="module")
-def langchain_openai():
-    return pytest.importorskip("langchain_openai")
-
-
-@pytest.fixture(scope="module")
-def langchain_ollama():
-    return pytest.importorskip("langchain_ollama")
-
-
 # The same fixtures: a store of tiny models with real templates, and a live server over a copy of it.
 tool_store_root = shared.tool_store_root
 tool_server = shared.tool_server
