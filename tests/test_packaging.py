@@ -78,3 +78,10 @@ def test_a_wheel_would_hold_every_package_and_kernel_source():
         files = [p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file() and p.suffix in (".c", ".h", ".js", ".css", ".html")]
         missing = [f for f in files if not any(fnmatch.fnmatch(f, pattern) for pattern in data[package])]
         assert not missing, (package, missing)
+
+
+def test_corral_ray_without_ray_says_which_extra_to_install():
+    # ray and starlette are the optional `ray` extra (deptry's exception in pyproject): a base install lacks them.
+    code = "import sys; sys.modules['ray'] = None\ntry:\n    import corral.ray\nexcept ImportError as e:\n    print(e)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert 'pip install "corral[ray]"' in done.stdout, done.stdout + done.stderr

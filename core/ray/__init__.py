@@ -12,8 +12,14 @@ Needs the `ray` extra: `pip install -e ".[ray]"`.
 from __future__ import annotations
 
 import attrs
-from ray import serve
-from ray.serve.config import RequestRouterConfig
+
+# ray[serve] (~470 MB) is the optional `ray` extra, not a base dependency: the README's first command
+# stays light. Without it, importing corral.ray says what to install.
+try:
+    from ray import serve
+    from ray.serve.config import RequestRouterConfig
+except ImportError as error:
+    raise ImportError(f'corral.ray needs Ray Serve: pip install "corral[ray]" ({error})') from error
 
 from corral.errors import CorralError
 from corral.ray.ingress import CorralIngress
