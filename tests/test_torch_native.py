@@ -89,6 +89,8 @@ def test_the_avx2_kernels_build_on_an_avx2_machine_without_avx512(fresh_native):
     assert torch_native.variant() == "avx2"
     ported = {path.stem for path in (torch_native.SOURCE_DIR / "avx2").glob("*.c")}
     assert {"int4_blocks", "int8_rows", "rms_norm", "gated", "row_attention"} <= ported
+    ported |= {path.stem for path in torch_native.COMMON_DIR.glob("*.c")}  # plain C: every variant builds them
+    assert "rope" in ported
     assert all(torch_native.has(name) == (source in ported) for name, (source, _) in torch_native.SIGNATURES.items())
     assert sorted(path.name.split("-")[0] for path in fresh_native.iterdir()) == sorted(ported)
 

@@ -495,17 +495,68 @@ def test_two_stage_topk_is_torchs(vocab):
     assert torch.equal(ids.sort(dim=-1).values, expected.indices.sort(dim=-1).values)
 
 
-def test_q_and_k_rotate_in_one_rope_call_with_the_same_bits(tmp_path, monkeypatch):
+def without_native_rope(monkeypatch) -> None:
+    """Backends built from here on rotate with torch's `_rope` (rope_heads reported missing)."""
+    available = TorchBackend.native
+    monkeypatch.setattr(TorchBackend, "native", lambda self, name: name != "rope_heads" and available(self, name))
+
+
+@pytest.mark.parametrize("native_rope", [True, False], ids=["native rope", "torch rope"])
+def test_q_and_k_rotate_in_one_rope_call_with_the_same_bits(tmp_path, monkeypatch, native_rope):
     # int8 q/k/v stack into one linear, whose q and k column parts then rotate together
     monkeypatch.setattr(torch_backend, "fuse_gates", lambda graph, outputs, *_: outputs)  # not bit-exact: tested below
     types = {f"blk.{i}.attn_{part}.weight": Q.Q8_0 for i in range(2) for part in "qkv"}
     path = write_tiny_llama(tmp_path / "int8_qkv.gguf", tensor_types=types)
-    reused, _, backend = run_reused(path, "auto")  # graphs rewritten by the fusion passes
+    if native_rope and not torch_native.has("rope_heads"):
+        pytest.skip("no native kernels here")
+    with monkeypatch.context() as patched:
+        if not native_rope:
+            without_native_rope(patched)
+        reused, _, backend = run_reused(path, "auto")  # graphs rewritten by the fusion passes
+        fresh = run_fresh(path, "auto", optimize=False)  # as written: two ropes a layer
     _, graph, _ = backend._graphs._graphs[(1, 1)]
-    ropes = [args for fn, args in graph.nodes if fn is torch_backend._rope]
-    assert len(ropes) == 2  # one per layer of the tiny model, q and k together
-    assert all(graph.nodes[args[0].index][0] is torch_fusion._column_heads for args in ropes)
-    for got, expected in zip(reused, run_fresh(path, "auto", optimize=False)):  # as written: two ropes a layer
+    functions = [fn for fn, _ in graph.nodes]
+    if native_rope:  # q and k read from the fused output's columns and rotated by one native call
+        joint = [args for fn, args in graph.nodes if fn is torch_backend._rope_columns]
+        assert len(joint) == 2 and torch_backend._rope not in functions and torch_fusion._column_heads not in functions
+        assert all(graph.nodes[args[0].index][0] is torch_backend._linear for args in joint)
+        assert torch_fusion._split_columns not in functions  # v, the split's last reader, is a column slice
+    else:
+        ropes = [args for fn, args in graph.nodes if fn is torch_backend._rope]
+        assert len(ropes) == 2  # one per layer of the tiny model, q and k together
+        assert all(graph.nodes[args[0].index][0] is torch_fusion._column_heads for args in ropes)
+    for got, expected in zip(reused, fresh):
+        assert torch.equal(got, expected)
+
+
+def test_the_native_rope_gives_torchs_bits_through_the_model(tmp_path, monkeypatch):
+    # Every step, prompt and decode, with the native rope (and its position table) and with torch's.
+    if not torch_native.has("rope_heads"):
+        pytest.skip("no native kernels here")
+    types = {f"blk.{i}.attn_{part}.weight": Q.Q8_0 for i in range(2) for part in "qkv"}
+    path = write_tiny_llama(tmp_path / "int8_qkv.gguf", tensor_types=types)
+    native_steps, _, _ = run_reused(path, "auto")
+    without_native_rope(monkeypatch)
+    torch_steps, _, backend = run_reused(path, "auto")
+    assert not backend.native("rope_heads")
+    for got, expected in zip(native_steps, torch_steps, strict=True):
+        assert torch.equal(got, expected)
+
+
+def test_gated_halves_are_read_in_place_with_the_same_bits(tmp_path, monkeypatch):
+    # int8 gate and up stack into one linear, whose two halves the gated kernel reads in place
+    types = {f"blk.{i}.ffn_{part}.weight": Q.Q8_0 for i in range(2) for part in ("gate", "up")}
+    path = write_tiny_llama(tmp_path / "int8_gate_up.gguf", tensor_types=types)
+    reused, _, backend = run_reused(path, "auto")
+    if not backend.native("gated"):
+        pytest.skip("no native kernels here")
+    _, graph, _ = backend._graphs._graphs[(1, 1)]
+    functions = [fn for fn, _ in graph.nodes]
+    assert torch_backend._gated_halves in functions and torch_backend._gated not in functions
+    halves = [args for fn, args in graph.nodes if fn is torch_backend._gated_halves]
+    assert len(halves) == 2 and all(graph.nodes[args[0].index][0] is torch_backend._linear for args in halves)
+    monkeypatch.setattr(torch_backend, "fuse_gated_halves", lambda graph, outputs, *_: outputs)  # the halves cut out first
+    for got, expected in zip(reused, run_fresh(path, "auto"), strict=True):
         assert torch.equal(got, expected)
 
 

@@ -14,10 +14,11 @@ from gguf import GGMLQuantizationType as Q
 from corral.errors import UnsupportedTensorTypeError
 from corral.kvcache import UnsupportedKVCacheTypeError
 from corral.gguf import GGUFFile, TensorInfo
+from corral.ml import Rope
 from corral.model import Batch
 from corral.parallel.shards import Shard, TensorParallel
 from corral.plugins.backends.torch import native
-from corral.plugins.backends.torch.context import TorchContext
+from corral.plugins.backends.torch.context import TorchContext, _rope_table
 from corral.plugins.backends.torch.dequantize import DEQUANTIZERS, INT4_GROUP, dequantize, int4_blocks
 from corral.plugins.backends.torch.experts import ExpertWeights
 from corral.plugins.backends.torch.fusion import stack_weights
@@ -26,6 +27,7 @@ from corral.plugins.backends.torch.kv_cells import QuantizedCells, refusal
 from corral.plugins.backends.torch.int4_packing import pack_int4_for_cpu, pack_int4_for_cuda
 from corral.plugins.backends.torch.sharding import shard_tensor
 from corral.plugins.backends.torch.layouts import DenseWeight, Int4Blocks, Int4Weight, Int8Weight, MappedRows, RescoredLogits, requantized_int4
+from corral.plugins.backends.torch.rope import RopeRows
 
 INT4_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q4_K})
 HALF_SCALE_TYPES = frozenset({Q.Q4_0, Q.Q4_1})  # their scales and mins are float16 in the file: exact in it
@@ -95,6 +97,7 @@ class TorchBackend:
         self._dense: dict[tuple[str, str, torch.dtype], torch.Tensor] = {}  # (file, tensor, dtype) -> its dense copy
         self._graphs = GraphCache()
         self._stacked: dict[tuple[int, ...], tuple[Any, list[Any]]] = {}
+        self._rope_rows: dict[tuple, RopeRows] = {}  # (rope, its factors' ids) -> its table (rope.py)
         # This process's rank of a tensor-parallel model (core/parallel/); None: the whole model here.
         self.parallel: TensorParallel | None = None
         self.stage: Any = None  # this process's pipeline stage (core/parallel/pipeline.py); None: every block here
@@ -236,6 +239,13 @@ class TorchBackend:
     def native(self, name: str) -> bool:
         """Whether the native CPU kernel `name` (native.py) serves this backend."""
         return self.device.type == "cpu" and native.has(name)
+
+    def rope_rows(self, rope: Rope) -> RopeRows:
+        """The native rope's table of `rope` (rope.py), shared by every graph of this backend."""
+        key = (rope, id(rope.freq_factors), id(rope.long_factors))
+        if key not in self._rope_rows:
+            self._rope_rows[key] = RopeRows(rope, _rope_table)
+        return self._rope_rows[key]
 
     def set_threads(self, count: int) -> None:
         """Compute threads for CPU kernels (torch's setting is process-wide)."""

@@ -16,9 +16,10 @@ from corral.plugins.backends.torch import elementwise, native
 from corral.plugins.backends.torch.attention import AttentionMemo, attention
 from corral.plugins.backends.torch.bidirectional import bidirectional_attention
 from corral.plugins.backends.torch.kv_cells import read_cells, write_cells
-from corral.plugins.backends.torch.fusion import fuse_gates, fuse_linears, fuse_ropes
+from corral.plugins.backends.torch.fusion import fuse_gated_halves, fuse_gates, fuse_linears, fuse_ropes, slice_lone_parts
 from corral.plugins.backends.torch.graph import Graph, Node, Slot
 from corral.plugins.backends.torch.layouts import MappedRows
+from corral.plugins.backends.torch.rope import RopeRows
 
 if TYPE_CHECKING:
     from corral.plugins.backends.torch.backend import TorchBackend
@@ -36,9 +37,14 @@ class TorchContext(Graph):
 
     def optimize(self, output: Node) -> Node:
         (output,) = fuse_linears(self, (output,), _linear, self.backend.stacked_weight)
-        (output,) = fuse_ropes(self, (output,), _rope)
+        if self.backend.native("rope_heads"):
+            (output,) = fuse_ropes(self, (output,), _native_rope, _rope_columns)
+        else:
+            (output,) = fuse_ropes(self, (output,), _rope)
         if self.backend.native("gated"):
             (output,) = fuse_gates(self, (output,), {fn: name for name, fn in GATED.items()}, _gated)
+            (output,) = fuse_gated_halves(self, (output,), _gated, _gated_halves)
+        (output,) = slice_lone_parts(self, (output,))
         return output
 
     # --- ops -------------------------------------------------------------------------------
@@ -91,6 +97,11 @@ class TorchContext(Graph):
     def rope(self, x: Node, positions: Node, rope: Rope) -> Node:
         # Every layer rotates by the same positions: build each cos/sin table once per graph.
         key = (positions.index, rope, id(rope.freq_factors), id(rope.long_factors))
+        if self.backend.native("rope_heads"):  # the table's rows looked up, then one native call a rope
+            if key not in self._rope_tables:
+                view = Slot("view") if self.batch is not None else self.view
+                self._rope_tables[key] = self.record(RopeRows.rows, self.backend.rope_rows(rope), positions, view)
+            return self.record(_native_rope, x, self._rope_tables[key], rope.dims, rope.neox)
         if key not in self._rope_tables:
             if rope.long_factors is None:
                 self._rope_tables[key] = self.record(_rope_table, positions, rope)
@@ -205,6 +216,13 @@ def _gated(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tenso
     return GATED[activation](gate) * up
 
 
+def _gated_halves(y: torch.Tensor, width: int, activation: str) -> torch.Tensor:
+    """`_gated` of the two halves of a fused gate/up output y [rows, 2 * width] (fusion.fuse_gated_halves)."""
+    if y.dtype == torch.float32 and y.device.type == "cpu" and y.dim() == 2 and y.stride(1) == 1:
+        return native.gated_halves(y, width, activation)
+    return _gated(y[:, :width], y[:, width:], activation)
+
+
 def _layer_norm_per_head(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
     y = F.layer_norm(x.float(), (x.shape[-1],), None, None, eps) * weight
     return y if bias is None else y + bias
@@ -303,6 +321,19 @@ def _rope(x: torch.Tensor, table: Any, dims: int, neox: bool) -> torch.Tensor:
             pairs = pairs.contiguous()
         out = torch.view_as_real(torch.view_as_complex(pairs) * table).flatten(-2)
     return torch.cat((out, x[..., dims:].float()), dim=-1) if partial else out
+
+
+def _native_rope(x: torch.Tensor, pairs: torch.Tensor, dims: int, neox: bool) -> torch.Tensor:
+    """`_rope` of x [n, heads, head_dim] by a RopeRows lookup, in one native call (the same bits; native.rope_heads)."""
+    return native.rope_heads(x, x.shape[1], x.shape[1], x.shape[2], pairs, dims, neox)[0]
+
+
+def _rope_columns(
+    y: torch.Tensor, start: int, heads: int, split: int, dim: int, pairs: torch.Tensor, dims: int, neox: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k rotated straight from their columns of a fused q/k/v output y: the heads' `heads`
+    * `dim` columns from `start`, the first `split` heads q, the rest k (fusion.fuse_ropes)."""
+    return native.rope_heads(y[:, start:] if start else y, heads, split, dim, pairs, dims, neox)
 
 
 def _cached_keys(keys: Any, cells: torch.Tensor) -> torch.Tensor:

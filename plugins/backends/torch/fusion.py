@@ -10,6 +10,7 @@ activation (act(gate) * up) is one node.
 
 from __future__ import annotations
 
+import collections
 import operator
 from typing import Any, Callable
 
@@ -126,10 +127,12 @@ def _split_columns(y: torch.Tensor, widths: list[int]) -> tuple[torch.Tensor, ..
     return y.split_with_sizes(widths, dim=-1)  # one call for all parts (Tensor.split adds Python)
 
 
-def fuse_ropes(graph: Graph, outputs: tuple[Node, ...], rope: Callable) -> tuple[Node, ...]:
+def fuse_ropes(graph: Graph, outputs: tuple[Node, ...], rope: Callable, joint: Callable | None = None) -> tuple[Node, ...]:
     """Rewrite `graph` so that q and k, adjacent column parts of one fused linear reshaped into
     heads of one size and rotated by the same table, rotate in one call over both parts' heads
-    (llama: one rope a layer instead of two; the rotation of each head is unchanged)."""
+    (llama: one rope a layer instead of two; the rotation of each head is unchanged).
+    `joint(fused, start, heads, q_heads, dim, table, dims, neox) -> (q, k)`, where given, reads the
+    heads from the fused output's columns itself: one node instead of a view, the rope and two slices."""
     nodes = graph.nodes
     pairs = _rope_pairs(nodes, rope)
     if not pairs:
@@ -155,11 +158,18 @@ def fuse_ropes(graph: Graph, outputs: tuple[Node, ...], rope: Callable) -> tuple
             continue
         if i in joint_at:
             (fused, start, stop, heads, dim), (table, dims, neox) = joint_at[i]
-            joint = rewrite.add(_column_heads, rewrite.new(fused), start, stop, heads, dim)
-            rotated_at[i] = rewrite.add(rope, joint, rewrite.new(table), dims, neox)
+            if joint is not None:
+                q_heads = part_of[i][2]
+                rotated_at[i] = rewrite.add(joint, rewrite.new(fused), start, heads, q_heads, dim, rewrite.new(table), dims, neox)
+            else:
+                both = rewrite.add(_column_heads, rewrite.new(fused), start, stop, heads, dim)
+                rotated_at[i] = rewrite.add(rope, both, rewrite.new(table), dims, neox)
         if i in part_of:
             first, head, end = part_of[i]
-            rewrite.replace(i, _heads, rotated_at[first], head, end)
+            if joint is not None:
+                rewrite.replace(i, operator.getitem, rotated_at[first], 0 if head == 0 else 1)  # a tuple's item: no kernel
+            else:
+                rewrite.replace(i, _heads, rotated_at[first], head, end)
         else:
             rewrite.keep(i)
     return rewrite.finish(outputs)
@@ -230,3 +240,70 @@ def fuse_gates(graph: Graph, outputs: tuple[Node, ...], activations: dict[Callab
         else:
             rewrite.keep(i)
     return rewrite.finish(outputs)
+
+
+def _split_parts(nodes: list[tuple[Callable, tuple]], readers: dict[int, int]) -> dict[int, tuple[int, int, int]]:
+    """getitem nodes of a `_split_columns` that only getitems read: getitem -> (split, first column, end column)."""
+    parts = {}
+    for i, (fn, args) in enumerate(nodes):
+        if fn is not operator.getitem or type(args[0]) is not Node or nodes[args[0].index][0] is not _split_columns:
+            continue
+        split = args[0].index
+        widths = nodes[split][1][1]
+        parts[i] = (split, sum(widths[: args[1]]), sum(widths[: args[1] + 1]))
+    getitems = collections.Counter(split for split, _, _ in parts.values())
+    return {i: part for i, part in parts.items() if getitems[part[0]] == readers[part[0]]}
+
+
+def fuse_gated_halves(graph: Graph, outputs: tuple[Node, ...], gated: Callable, halves: Callable) -> tuple[Node, ...]:
+    """Rewrite `graph` so that gated(gate, up, name) over the two halves of a fused gate/up output,
+    read by nothing else, is halves(fused, width, name): the halves are read in place, not cut out
+    as tensor views first."""
+    nodes = graph.nodes
+    readers = _reader_counts(nodes)
+    parts = _split_parts(nodes, readers)
+    fused: dict[int, tuple[int, int]] = {}  # gated node -> (split, width)
+    for i, (fn, args) in enumerate(nodes):
+        if fn is not gated or not all(type(a) is Node and a.index in parts and readers[a.index] == 1 for a in args[:2]):
+            continue
+        (split, gate_start, width), (up_split, up_start, up_end) = parts[args[0].index], parts[args[1].index]
+        if split == up_split and gate_start == 0 and up_start == width and up_end == 2 * width and readers[split] == 2:
+            fused[i] = (split, width)
+    if not fused:
+        return outputs
+    dropped = {split for split, _ in fused.values()} | {a.index for i in fused for a in nodes[i][1][:2]}
+    rewrite = Rewrite(graph)
+    for i, (fn, args) in enumerate(nodes):
+        if i in dropped:
+            continue
+        if i in fused:
+            split, width = fused[i]
+            rewrite.replace(i, halves, rewrite.new(nodes[split][1][0]), width, args[2])
+        else:
+            rewrite.keep(i)
+    return rewrite.finish(outputs)
+
+
+def slice_lone_parts(graph: Graph, outputs: tuple[Node, ...]) -> tuple[Node, ...]:
+    """Rewrite `graph` so that a fused output's split read for one part only (v, once q and k rotate
+    straight from their columns) is a column slice: one view instead of a split into all parts."""
+    nodes = graph.nodes
+    readers = _reader_counts(nodes)
+    lone = {i: part for i, part in _split_parts(nodes, readers).items() if readers[part[0]] == 1}
+    if not lone:
+        return outputs
+    dropped = {split for split, _, _ in lone.values()}
+    rewrite = Rewrite(graph)
+    for i in range(len(nodes)):
+        if i in dropped:
+            continue
+        if i in lone:
+            split, start, end = lone[i]
+            rewrite.replace(i, _columns, rewrite.new(nodes[split][1][0]), start, end)
+        else:
+            rewrite.keep(i)
+    return rewrite.finish(outputs)
+
+
+def _columns(y: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    return y[..., start:end]

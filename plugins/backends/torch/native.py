@@ -11,7 +11,8 @@ CPU's features, and loaded with ctypes. They run on torch's own OpenMP thread po
 links `libgomp.so.1`, which resolves to the copy torch has already loaded.
 
 Each kernel has an AVX-512 source (native/*.c) and, for CPUs with AVX2, FMA and F16C but no AVX-512,
-an AVX2 one with the same C ABI (native/avx2/*.c); `variant()` picks the one this CPU runs. Where
+an AVX2 one with the same C ABI (native/avx2/*.c); `variant()` picks the one this CPU runs. A kernel
+with no SIMD code of its own has one source for both (native/common/*.c). Where
 no compiler is available, the CPU has neither, the variant has no source for a kernel, or
 `CORRAL_NATIVE_KERNELS=0`, `load()` returns None and the backend uses torch's kernels.
 """
@@ -36,6 +37,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).parent / "native"
+COMMON_DIR = SOURCE_DIR / "common"  # kernels without SIMD code, built for whichever variant the CPU runs
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC")
 COMPILE_SECONDS = 120
 
@@ -110,6 +112,8 @@ def _build(name: str) -> Path | None:
         return None
     folder = VARIANTS[chosen][0]
     source = folder / f"{name}.c"
+    if not source.exists() and (COMMON_DIR / f"{name}.c").exists():
+        folder, source = COMMON_DIR, COMMON_DIR / f"{name}.c"  # plain C, the same for every variant
     if not source.exists():
         log.info("native kernel %s has no %s version yet; using torch's kernels", name, chosen)
         return None
@@ -175,6 +179,7 @@ SIGNATURES = {
     "rms_norm": ("rms_norm", (_ptr, _int, _i64, _i64, _ptr, ctypes.c_float, _ptr, _int)),
     "gated": ("gated", (_ptr, _i64, _ptr, _i64, _i64, _i64, _int, _ptr, _int)),
     "row_attention": ("row_attention", (ctypes.POINTER(RowAttentionArgs),)),
+    "rope_heads": ("rope", (_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _i64, _int, _ptr, _ptr)),
 }
 RESTYPES = {"row_attention": ctypes.c_int}
 MAX_HEAD_GROUP = 16  # query heads per kv head the attention kernel takes
@@ -291,6 +296,19 @@ def gated(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor
     return out
 
 
+def gated_halves(y: torch.Tensor, width: int, activation: str) -> torch.Tensor:
+    """activation(y[:, :width]) * y[:, width:] -> float32 [rows, width] (native/gated.c), the halves
+    of a fused gate/up output y (float32 [rows, 2 * width], unit column stride) read in place."""
+    rows = y.shape[0]
+    if y.shape[1] != 2 * width or y.stride(1) != 1 or y.dtype is not torch.float32:
+        raise ValueError(f"gated_halves: {tuple(y.shape)} {y.dtype} is not two float32 halves of {width}")
+    out = torch.empty((rows, width), dtype=torch.float32)
+    if rows:
+        gate = y.data_ptr()
+        function("gated")(gate, y.stride(0), gate + 4 * width, y.stride(0), rows, width, GATES[activation], out.data_ptr(), torch.get_num_threads())
+    return out
+
+
 def takes_row_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
     """Whether the native attention kernel takes these shapes and dtypes (fixed for a model)."""
     heads, kv_heads = q.shape[1], keys.shape[0]
@@ -373,3 +391,25 @@ def row_attention(
     if failed:
         raise MemoryError("native attention could not allocate its scores")
     return out
+
+
+def rope_heads(
+    x: torch.Tensor, heads: int, split: int, head_dim: int, pairs: torch.Tensor, dims: int, neox: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Heads [0, heads) of x's rows rotated by `pairs` (cos, sin) [rows, 1, dims / 2, 2] (rope.py)
+    with the same bits as the torch backend's `_rope` (native/common/rope.c): the first `split` as
+    float32 [rows, split, head_dim], the others as [rows, heads - split, head_dim]. x: float32 rows
+    [rows, >= heads * head_dim] of unit column stride (a column slice of a fused q/k/v output is
+    read in place), or [rows, heads, head_dim] with packed heads."""
+    rows = x.shape[0]
+    if x.dtype is not torch.float32 or x.stride(-1) != 1 or (x.dim() == 3 and x.stride(1) != head_dim):
+        x = x.float().contiguous()
+    if pairs.shape[0] != rows or pairs.shape[-2] * 2 != dims or pairs.dtype is not torch.float32 or not pairs.is_contiguous():
+        raise ValueError(f"rope_heads: a table {tuple(pairs.shape)} {pairs.dtype} for {rows} rows of {dims} rotated features")
+    q = torch.empty((rows, split, head_dim), dtype=torch.float32)
+    k = torch.empty((rows, heads - split, head_dim), dtype=torch.float32)
+    if rows:
+        function("rope_heads")(
+            x.data_ptr(), rows, x.stride(0), heads, split, head_dim, pairs.data_ptr(), dims, neox, q.data_ptr(), k.data_ptr()
+        )  # fmt: skip
+    return q, k
