@@ -495,6 +495,9 @@ def test_two_stage_topk_is_torchs(vocab):
     assert torch.equal(ids.sort(dim=-1).values, expected.indices.sort(dim=-1).values)
 
 
+LINEARS = (torch_backend._linear, torch_backend._normed_linear)  # a fused linear's node, its input normed or not
+
+
 def without_native_rope(monkeypatch) -> None:
     """Backends built from here on rotate with torch's `_rope` (rope_heads reported missing)."""
     available = TorchBackend.native
@@ -519,7 +522,7 @@ def test_q_and_k_rotate_in_one_rope_call_with_the_same_bits(tmp_path, monkeypatc
     if native_rope:  # q and k read from the fused output's columns and rotated by one native call
         joint = [args for fn, args in graph.nodes if fn is torch_backend._rope_columns]
         assert len(joint) == 2 and torch_backend._rope not in functions and torch_fusion._column_heads not in functions
-        assert all(graph.nodes[args[0].index][0] is torch_backend._linear for args in joint)
+        assert all(graph.nodes[args[0].index][0] in LINEARS for args in joint)
         assert torch_fusion._split_columns not in functions  # v, the split's last reader, is a column slice
     else:
         ropes = [args for fn, args in graph.nodes if fn is torch_backend._rope]
@@ -554,10 +557,43 @@ def test_gated_halves_are_read_in_place_with_the_same_bits(tmp_path, monkeypatch
     functions = [fn for fn, _ in graph.nodes]
     assert torch_backend._gated_halves in functions and torch_backend._gated not in functions
     halves = [args for fn, args in graph.nodes if fn is torch_backend._gated_halves]
-    assert len(halves) == 2 and all(graph.nodes[args[0].index][0] is torch_backend._linear for args in halves)
+    assert len(halves) == 2 and all(graph.nodes[args[0].index][0] in LINEARS for args in halves)
     monkeypatch.setattr(torch_backend, "fuse_gated_halves", lambda graph, outputs, *_: outputs)  # the halves cut out first
     for got, expected in zip(reused, run_fresh(path, "auto"), strict=True):
         assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0], ids=["int4 blocks", "int8 rows"])
+def test_a_norm_feeding_a_linear_runs_in_its_kernel_call_with_the_same_bits(tmp_path, monkeypatch, qtype):
+    types = {f"blk.{i}.{name}.weight": qtype for i in range(2) for name in ("attn_q", "attn_k", "attn_v", "ffn_gate", "ffn_up")}
+    path = write_tiny_llama(tmp_path / "normed.gguf", tensor_types=types)
+    reused, _, backend = run_reused(path, "auto")
+    if not backend.native("rms_norm"):
+        pytest.skip("no native kernels here")
+    _, graph, _ = backend._graphs._graphs[(1, 1)]
+    normed = [args for fn, args in graph.nodes if fn is torch_backend._normed_linear]
+    assert len(normed) == 4  # the attention's and the feed-forward's inputs of both layers
+    assert {type(args[3]) for args in normed} == {torch_weights.Int4Blocks if qtype == Q.Q4_0 else torch_weights.Int8Weight}
+    monkeypatch.setattr(torch_backend, "fuse_norms", lambda graph, outputs, *_: outputs)  # the norm a node of its own
+    for got, expected in zip(reused, run_fresh(path, "auto"), strict=True):  # the prompt's rows and the decode steps'
+        assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 40])
+def test_the_normed_kernels_give_the_bits_of_a_norm_then_the_kernel(dtype, rows):
+    if not (torch_native.has("int4_blocks_normed") and torch_native.has("int8_rows_normed")):
+        pytest.skip("no native kernels here")
+    generator = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, 128, generator=generator) * 4).to(dtype)
+    norm = torch.rand(128, generator=generator) + 0.5
+    normed = torch_native.rms_norm(x, norm, 1e-6)
+    codes = torch.randint(0, 16, (64, 128), dtype=torch.uint8, generator=generator)
+    scales, mins = torch.rand(64, 4, generator=generator) / 8, -torch.rand(64, 4, generator=generator)
+    int4 = torch_weights.Int4Blocks.from_codes(codes, scales, mins)
+    assert torch.equal(int4.normed_matmul(x, norm, 1e-6), int4.matmul(normed))
+    int8 = torch_weights.Int8Weight.quantize(torch.randn(64, 128, generator=generator))
+    assert torch.equal(torch_native.int8_rows_normed(x, norm, 1e-6, int8.codes, int8.scales), torch_native.int8_rows_matmul(normed, int8.codes, int8.scales))
 
 
 def test_gated_activations_run_as_one_node_close_to_torchs(llama_path):

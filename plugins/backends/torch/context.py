@@ -16,7 +16,7 @@ from corral.plugins.backends.torch import elementwise, native
 from corral.plugins.backends.torch.attention import AttentionMemo, attention
 from corral.plugins.backends.torch.bidirectional import bidirectional_attention
 from corral.plugins.backends.torch.kv_cells import read_cells, write_cells
-from corral.plugins.backends.torch.fusion import fuse_gated_halves, fuse_gates, fuse_linears, fuse_ropes, slice_lone_parts
+from corral.plugins.backends.torch.fusion import fuse_gated_halves, fuse_gates, fuse_linears, fuse_norms, fuse_ropes, slice_lone_parts
 from corral.plugins.backends.torch.graph import Graph, Node, Slot
 from corral.plugins.backends.torch.layouts import MappedRows
 from corral.plugins.backends.torch.rope import RopeRows
@@ -45,6 +45,8 @@ class TorchContext(Graph):
             (output,) = fuse_gates(self, (output,), {fn: name for name, fn in GATED.items()}, _gated)
             (output,) = fuse_gated_halves(self, (output,), _gated, _gated_halves)
         (output,) = slice_lone_parts(self, (output,))
+        if self.backend.native("rms_norm"):
+            (output,) = fuse_norms(self, (output,), native.rms_norm, _linear, _normed_linear)
         return output
 
     # --- ops -------------------------------------------------------------------------------
@@ -231,6 +233,13 @@ def _layer_norm_per_head(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
 def _linear(x: torch.Tensor, weight: Any, bias: torch.Tensor | None, runs: list[tuple[int, int]] | None) -> torch.Tensor:
     y = weight.matmul(x, runs)
     return y if bias is None else y + bias
+
+
+def _normed_linear(x: torch.Tensor, norm: torch.Tensor, eps: float, weight: Any, runs: list[tuple[int, int]] | None) -> torch.Tensor:
+    """`_linear(native.rms_norm(x, norm, eps), weight, None, runs)` (fusion.fuse_norms)."""
+    if x.device.type != "cpu":
+        return weight.matmul(native.rms_norm(x, norm, eps), runs)
+    return weight.normed_matmul(x, norm, eps, runs)
 
 
 def _concat(dim: int, *xs: torch.Tensor) -> torch.Tensor:

@@ -307,3 +307,31 @@ def slice_lone_parts(graph: Graph, outputs: tuple[Node, ...]) -> tuple[Node, ...
 
 def _columns(y: torch.Tensor, start: int, end: int) -> torch.Tensor:
     return y[..., start:end]
+
+
+def fuse_norms(graph: Graph, outputs: tuple[Node, ...], norm: Callable, linear: Callable, normed: Callable) -> tuple[Node, ...]:
+    """Rewrite `graph` so that linear(norm(x, w, eps), weight, None, runs), the norm read by nothing
+    else and the weight one with a `normed_matmul`, is normed(x, w, eps, weight, runs): one kernel
+    call that norms the rows itself (llama's attention and feed-forward inputs)."""
+    nodes = graph.nodes
+    readers = _reader_counts(nodes)
+    fused: dict[int, int] = {}  # linear -> its norm
+    for i, (fn, args) in enumerate(nodes):
+        if fn is not linear or type(args[0]) is not Node or args[2] is not None or not hasattr(args[1], "normed_matmul"):
+            continue
+        source = args[0].index
+        if nodes[source][0] is norm and readers[source] == 1:
+            fused[i] = source
+    if not fused:
+        return outputs
+    dropped = set(fused.values())
+    rewrite = Rewrite(graph)
+    for i, (fn, args) in enumerate(nodes):
+        if i in dropped:
+            continue
+        if i in fused:
+            x, weight, eps = nodes[fused[i]][1]
+            rewrite.replace(i, normed, rewrite.new(x), weight, eps, args[1], args[3])
+        else:
+            rewrite.keep(i)
+    return rewrite.finish(outputs)

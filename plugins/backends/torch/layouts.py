@@ -193,6 +193,12 @@ class Int4Blocks:
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         return native.int4_blocks_matmul(x, self.codes, self.scales, self.mins)
 
+    def normed_matmul(self, x: torch.Tensor, norm: torch.Tensor, eps: float, runs: Runs = None) -> torch.Tensor:
+        """`matmul(native.rms_norm(x, norm, eps))` in one native call, the same bits."""
+        if not native.has("int4_blocks_normed"):
+            return self.matmul(native.rms_norm(x, norm, eps), runs)
+        return native.int4_blocks_normed(x, norm, eps, self.codes, self.scales, self.mins)
+
     def coarse(self, x: torch.Tensor) -> torch.Tensor:
         """Products with int8 activations (a scale per 32): faster, for ranking candidates."""
         return native.int4_blocks_matmul(x, self.codes, self.scales, self.mins, coarse=True)
@@ -351,6 +357,13 @@ class Int8Weight:
             return self._kernel(x)
         out_dtype = torch.float32 if native.takes_int8_rows(self.codes) else torch.bfloat16
         return _long_runs(x, runs, self._kernel, self._int8_rows, out_dtype)
+
+    def normed_matmul(self, x: torch.Tensor, norm: torch.Tensor, eps: float, runs: Runs = None) -> torch.Tensor:
+        """`matmul(native.rms_norm(x, norm, eps))`, in one native call where `matmul` takes the row kernel: the same bits."""
+        row_kernel = x.shape[0] == 1 or not native.int8_products_are_fast()
+        if row_kernel and native.takes_int8_rows(self.codes) and native.has("int8_rows_normed"):
+            return native.int8_rows_normed(x, norm, eps, self.codes, self.scales)
+        return self.matmul(native.rms_norm(x, norm, eps), runs)
 
     def _int8_rows(self, runs: list[torch.Tensor]) -> list[torch.Tensor]:
         # Prompt chunks: int8 x int8 products, faster than dequantizing for float32 BLAS

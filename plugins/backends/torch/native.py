@@ -118,7 +118,8 @@ def _build(name: str) -> Path | None:
         log.info("native kernel %s has no %s version yet; using torch's kernels", name, chosen)
         return None
     key = hashlib.sha256()
-    headers = [path.read_bytes() for path in sorted(folder.glob("*.h"))]
+    # Headers and the folder's other sources (a kernel may #include another's: int4_blocks.c rms_norm.c)
+    headers = [path.read_bytes() for path in sorted((*folder.glob("*.h"), *folder.glob("*.c"))) if path != source]
     for part in (source.read_bytes(), *headers, _compiler_version(compiler).encode(), _cpu_features().encode(), " ".join(FLAGS).encode()):
         key.update(part)
     target = cache_dir() / f"{name}-{key.hexdigest()[:16]}.so"
@@ -173,7 +174,9 @@ class RowAttentionArgs(ctypes.Structure):
 # function -> (source file, argument types)
 SIGNATURES = {
     "int4_blocks_matmul": ("int4_blocks", (_ptr, _int, _i64, _i64, _ptr, _ptr, _ptr, _int, _i64, _ptr, _int, _int)),
+    "int4_blocks_normed": ("int4_blocks", (_ptr, _int, _i64, _i64, _ptr, ctypes.c_float, _ptr, _ptr, _ptr, _int, _i64, _ptr, _int)),
     "int8_rows_matmul": ("int8_rows", (_ptr, _int, _i64, _i64, _ptr, _ptr, _i64, _ptr, _int)),
+    "int8_rows_normed": ("int8_rows", (_ptr, _int, _i64, _i64, _ptr, ctypes.c_float, _ptr, _ptr, _i64, _ptr, _int)),
     "int8_two_levels": ("int8_rows", (_ptr, _int, _i64, _i64, _ptr, _ptr, _int)),
     "int8_two_level_out": ("int8_rows", (_ptr, _ptr, _ptr, _i64, _i64, _ptr, _int)),
     "rms_norm": ("rms_norm", (_ptr, _int, _i64, _i64, _ptr, ctypes.c_float, _ptr, _int)),
@@ -181,7 +184,7 @@ SIGNATURES = {
     "row_attention": ("row_attention", (ctypes.POINTER(RowAttentionArgs),)),
     "rope_heads": ("rope", (_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _i64, _int, _ptr, _ptr)),
 }
-RESTYPES = {"row_attention": ctypes.c_int}
+RESTYPES = {"row_attention": ctypes.c_int, "int4_blocks_normed": ctypes.c_int, "int8_rows_normed": ctypes.c_int}
 MAX_HEAD_GROUP = 16  # query heads per kv head the attention kernel takes
 
 
@@ -228,6 +231,24 @@ def int4_blocks_matmul(
     return out
 
 
+def int4_blocks_normed(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor
+) -> torch.Tensor:
+    """int4_blocks_matmul(rms_norm(x, weight, eps), ...) in one call, the same bits as the two."""
+    x = _floats(x)
+    rows, cols = x.shape
+    if weight.numel() != cols:
+        raise ValueError(f"rms_norm weight has {weight.numel()} values for rows of {cols}")
+    out = torch.empty((rows, codes.shape[0]), dtype=torch.float32)
+    failed = rows and function("int4_blocks_normed")(
+        x.data_ptr(), x.dtype is torch.bfloat16, rows, cols, weight.data_ptr(), eps, codes.data_ptr(), scales.data_ptr(),
+        mins.data_ptr(), scales.dtype is torch.float16, codes.shape[0], out.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    if failed:
+        raise MemoryError("native int4 kernel could not allocate its normed rows")
+    return out
+
+
 def takes_int8_rows(codes: torch.Tensor) -> bool:
     """Whether the native int8 kernel takes a weight of these codes [out, in]."""
     out_features, in_features = codes.shape
@@ -245,6 +266,22 @@ def int8_rows_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor)
             x.data_ptr(), x.dtype is torch.bfloat16, rows, cols, codes.data_ptr(), scales.data_ptr(), codes.shape[0],
             out.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
+    return out
+
+
+def int8_rows_normed(x: torch.Tensor, weight: torch.Tensor, eps: float, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """int8_rows_matmul(rms_norm(x, weight, eps), codes, scales) in one call, the same bits as the two."""
+    x = _floats(x)
+    rows, cols = x.shape
+    if weight.numel() != cols:
+        raise ValueError(f"rms_norm weight has {weight.numel()} values for rows of {cols}")
+    out = torch.empty((rows, codes.shape[0]), dtype=torch.float32)
+    failed = rows and function("int8_rows_normed")(
+        x.data_ptr(), x.dtype is torch.bfloat16, rows, cols, weight.data_ptr(), eps, codes.data_ptr(), scales.data_ptr(),
+        codes.shape[0], out.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    if failed:
+        raise MemoryError("native int8 kernel could not allocate its normed rows")
     return out
 
 

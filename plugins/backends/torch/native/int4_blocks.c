@@ -20,6 +20,7 @@
 #include <string.h>
 
 #include "simd.h"
+#include "rms_norm.c" /* rms_norm: int4_blocks_normed norms its rows first with the same code */
 
 
 /* One activation row -> int16 codes laid out like the unpacked weights (per 64 elements: the
@@ -225,4 +226,20 @@ void int4_blocks_matmul(const void *x, int x_bf16, int64_t M, int64_t K, const u
     free(xq);
     free(xs);
     free(xsums);
+}
+
+/* int4_blocks_matmul of rms_norm(x) * w (rms_norm.c): one call where a norm feeds a linear, the same
+ * bits as the two calls (the normed rows go through the same functions in the same order). */
+int int4_blocks_normed(const void *x, int x_bf16, int64_t M, int64_t K, const float *w, float eps, const uint8_t *codes,
+                       const void *scales, const void *mins, int half, int64_t N, float *y, int threads)
+{
+    if (M <= 0)
+        return 0;
+    float *normed = malloc((size_t)(M * K) * sizeof(float));
+    if (!normed)
+        return -1;
+    rms_norm(x, x_bf16, M, K, w, eps, normed, threads);
+    int4_blocks_matmul(normed, 0, M, K, codes, scales, mins, half, N, y, 0, threads);
+    free(normed);
+    return 0;
 }

@@ -14,6 +14,7 @@
 #include <stdlib.h>
 
 #include "simd.h"
+#include "rms_norm.c" /* rms_norm: int8_rows_normed norms its rows first with the same code */
 
 /* Columns summed in int32 lanes before converting: each lane then holds FLUSH / 16 products of
  * at most 128 * 32767, below 2^31 (and the AVX-512 build's lanes: the same flushes). */
@@ -196,4 +197,20 @@ void int8_two_level_out(const int32_t *products, const float *scales, const uint
             store8(y + m * N + n, _mm256_mul_ps(_mm256_fmadd_ps(b, s2, _mm256_mul_ps(a, s1)), w), left);
         }
     }
+}
+
+/* int8_rows_matmul of rms_norm(x) * w (rms_norm.c): one call where a norm feeds a linear, the same
+ * bits as the two calls (the normed rows go through the same functions in the same order). */
+int int8_rows_normed(const void *x, int x_bf16, int64_t M, int64_t K, const float *w, float eps, const int8_t *codes,
+                     const uint16_t *scales, int64_t N, float *y, int threads)
+{
+    if (M <= 0)
+        return 0;
+    float *normed = malloc((size_t)(M * K) * sizeof(float));
+    if (!normed)
+        return -1;
+    rms_norm(x, x_bf16, M, K, w, eps, normed, threads);
+    int8_rows_matmul(normed, 0, M, K, codes, scales, N, y, threads);
+    free(normed);
+    return 0;
 }
