@@ -579,6 +579,36 @@ def test_a_norm_feeding_a_linear_runs_in_its_kernel_call_with_the_same_bits(tmp_
         assert torch.equal(got, expected)
 
 
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0], ids=["int4 blocks", "int8 rows"])
+def test_a_linear_added_to_the_residual_sums_in_its_kernel_call_with_the_same_bits(tmp_path, monkeypatch, qtype):
+    types = {f"blk.{i}.{name}.weight": qtype for i in range(2) for name in ("attn_output", "ffn_down")}
+    path = write_tiny_llama(tmp_path / "added.gguf", tensor_types=types)
+    reused, _, backend = run_reused(path, "auto")
+    if not torch_native.has("int4_blocks_added"):
+        pytest.skip("no native kernels here")
+    _, graph, _ = backend._graphs._graphs[(1, 1)]
+    added = [args for fn, args in graph.nodes if fn is torch_backend._added_linear]
+    assert len(added) == 4 and torch.add not in [fn for fn, _ in graph.nodes]  # both residual sums of both layers
+    monkeypatch.setattr(torch_backend, "fuse_residuals", lambda graph, outputs, *_: outputs)  # the sum a node of its own
+    for got, expected in zip(reused, run_fresh(path, "auto"), strict=True):
+        assert torch.equal(got, expected)
+
+
+def test_the_added_kernels_give_torchs_sum_and_take_only_a_residual_of_the_outputs_shape():
+    if not torch_native.has("int4_blocks_added"):
+        pytest.skip("no native kernels here")
+    generator = torch.Generator().manual_seed(3)
+    x, residual = torch.randn(5, 128, generator=generator), torch.randn(5, 64, generator=generator) * 10
+    codes = torch.randint(0, 16, (64, 128), dtype=torch.uint8, generator=generator)
+    int4 = torch_weights.Int4Blocks.from_codes(codes, torch.rand(64, 4, generator=generator) / 8, -torch.rand(64, 4, generator=generator))
+    int8 = torch_weights.Int8Weight.quantize(torch.randn(64, 128, generator=generator))
+    for weight in (int4, int8):
+        assert torch.equal(weight.added_matmul(x, residual), torch.add(residual, weight.matmul(x)))
+        row = residual[:1]  # broadcast over the rows: not the kernel's, torch's add still gives the sum
+        assert torch.equal(weight.added_matmul(x, row), torch.add(row, weight.matmul(x)))
+    assert not torch_native.takes_residual(residual.t(), 64, 5) and torch_native.takes_residual(residual, 5, 64)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 3, 40])
 def test_the_normed_kernels_give_the_bits_of_a_norm_then_the_kernel(dtype, rows):

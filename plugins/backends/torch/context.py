@@ -16,7 +16,7 @@ from corral.plugins.backends.torch import elementwise, native
 from corral.plugins.backends.torch.attention import AttentionMemo, attention
 from corral.plugins.backends.torch.bidirectional import bidirectional_attention
 from corral.plugins.backends.torch.kv_cells import read_cells, write_cells
-from corral.plugins.backends.torch.fusion import fuse_gated_halves, fuse_gates, fuse_linears, fuse_norms, fuse_ropes, slice_lone_parts
+from corral.plugins.backends.torch.fusion import fuse_gated_halves, fuse_gates, fuse_linears, fuse_norms, fuse_residuals, fuse_ropes, slice_lone_parts
 from corral.plugins.backends.torch.graph import Graph, Node, Slot
 from corral.plugins.backends.torch.layouts import MappedRows
 from corral.plugins.backends.torch.rope import RopeRows
@@ -47,6 +47,8 @@ class TorchContext(Graph):
         (output,) = slice_lone_parts(self, (output,))
         if self.backend.native("rms_norm"):
             (output,) = fuse_norms(self, (output,), native.rms_norm, _linear, _normed_linear)
+        if self.backend.device.type == "cpu":
+            (output,) = fuse_residuals(self, (output,), _linear, _added_linear)
         return output
 
     # --- ops -------------------------------------------------------------------------------
@@ -240,6 +242,11 @@ def _normed_linear(x: torch.Tensor, norm: torch.Tensor, eps: float, weight: Any,
     if x.device.type != "cpu":
         return weight.matmul(native.rms_norm(x, norm, eps), runs)
     return weight.normed_matmul(x, norm, eps, runs)
+
+
+def _added_linear(x: torch.Tensor, weight: Any, residual: torch.Tensor, runs: list[tuple[int, int]] | None) -> torch.Tensor:
+    """`residual + _linear(x, weight, None, runs)` (fusion.fuse_residuals)."""
+    return weight.added_matmul(x, residual, runs)
 
 
 def _concat(dim: int, *xs: torch.Tensor) -> torch.Tensor:

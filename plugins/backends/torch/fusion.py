@@ -335,3 +335,34 @@ def fuse_norms(graph: Graph, outputs: tuple[Node, ...], norm: Callable, linear: 
         else:
             rewrite.keep(i)
     return rewrite.finish(outputs)
+
+
+def fuse_residuals(graph: Graph, outputs: tuple[Node, ...], linear: Callable, added: Callable) -> tuple[Node, ...]:
+    """Rewrite `graph` so that add(residual, linear(x, weight, None, runs)), the linear read by
+    nothing else and its weight one with an `added_matmul`, is added(x, weight, residual, runs):
+    the sum made in the kernel's call (llama's attention and feed-forward outputs)."""
+    nodes = graph.nodes
+    readers = _reader_counts(nodes)
+    fused: dict[int, tuple[int, Node]] = {}  # add -> (its linear, the residual)
+    for i, (fn, args) in enumerate(nodes):
+        if fn is not torch.add or len(args) != 2 or not all(type(a) is Node for a in args):
+            continue
+        for product, residual in (args, args[::-1]):
+            lin_fn, lin_args = nodes[product.index]
+            if lin_fn is linear and lin_args[2] is None and hasattr(lin_args[1], "added_matmul") and readers[product.index] == 1:
+                fused[i] = (product.index, residual)
+                break
+    if not fused:
+        return outputs
+    dropped = {product for product, _ in fused.values()}
+    rewrite = Rewrite(graph)
+    for i in range(len(nodes)):
+        if i in dropped:
+            continue
+        if i in fused:
+            product, residual = fused[i]
+            x, weight, _, runs = nodes[product][1]
+            rewrite.replace(i, added, rewrite.new(x), weight, rewrite.new(residual), runs)
+        else:
+            rewrite.keep(i)
+    return rewrite.finish(outputs)

@@ -199,6 +199,12 @@ class Int4Blocks:
             return self.matmul(native.rms_norm(x, norm, eps), runs)
         return native.int4_blocks_normed(x, norm, eps, self.codes, self.scales, self.mins)
 
+    def added_matmul(self, x: torch.Tensor, residual: torch.Tensor, runs: Runs = None) -> torch.Tensor:
+        """`residual + matmul(x)` in one native call, the same bits."""
+        if not (native.has("int4_blocks_added") and native.takes_residual(residual, x.shape[0], self.out_features)):
+            return residual + self.matmul(x, runs)
+        return native.int4_blocks_added(x, self.codes, self.scales, self.mins, residual)
+
     def coarse(self, x: torch.Tensor) -> torch.Tensor:
         """Products with int8 activations (a scale per 32): faster, for ranking candidates."""
         return native.int4_blocks_matmul(x, self.codes, self.scales, self.mins, coarse=True)
@@ -364,6 +370,14 @@ class Int8Weight:
         if row_kernel and native.takes_int8_rows(self.codes) and native.has("int8_rows_normed"):
             return native.int8_rows_normed(x, norm, eps, self.codes, self.scales)
         return self.matmul(native.rms_norm(x, norm, eps), runs)
+
+    def added_matmul(self, x: torch.Tensor, residual: torch.Tensor, runs: Runs = None) -> torch.Tensor:
+        """`residual + matmul(x)`, in one native call where `matmul` takes the row kernel: the same bits."""
+        row_kernel = x.shape[0] == 1 or not native.int8_products_are_fast()
+        takes = native.takes_int8_rows(self.codes) and native.has("int8_rows_added")
+        if row_kernel and takes and native.takes_residual(residual, x.shape[0], self.out_features):
+            return native.int8_rows_added(x, self.codes, self.scales, residual)
+        return residual + self.matmul(x, runs)
 
     def _int8_rows(self, runs: list[torch.Tensor]) -> list[torch.Tensor]:
         # Prompt chunks: int8 x int8 products, faster than dequantizing for float32 BLAS

@@ -176,6 +176,8 @@ SIGNATURES = {
     "int4_blocks_matmul": ("int4_blocks", (_ptr, _int, _i64, _i64, _ptr, _ptr, _ptr, _int, _i64, _ptr, _int, _int)),
     "int4_blocks_normed": ("int4_blocks", (_ptr, _int, _i64, _i64, _ptr, ctypes.c_float, _ptr, _ptr, _ptr, _int, _i64, _ptr, _int)),
     "int8_rows_matmul": ("int8_rows", (_ptr, _int, _i64, _i64, _ptr, _ptr, _i64, _ptr, _int)),
+    "int4_blocks_added": ("int4_blocks", (_ptr, _int, _i64, _i64, _ptr, _ptr, _ptr, _int, _i64, _ptr, _ptr, _int)),
+    "int8_rows_added": ("int8_rows", (_ptr, _int, _i64, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _int)),
     "int8_rows_normed": ("int8_rows", (_ptr, _int, _i64, _i64, _ptr, ctypes.c_float, _ptr, _ptr, _i64, _ptr, _int)),
     "int8_two_levels": ("int8_rows", (_ptr, _int, _i64, _i64, _ptr, _ptr, _int)),
     "int8_two_level_out": ("int8_rows", (_ptr, _ptr, _ptr, _i64, _i64, _ptr, _int)),
@@ -265,6 +267,42 @@ def int8_rows_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor)
         function("int8_rows_matmul")(
             x.data_ptr(), x.dtype is torch.bfloat16, rows, cols, codes.data_ptr(), scales.data_ptr(), codes.shape[0],
             out.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+    return out
+
+
+def takes_residual(residual: torch.Tensor, rows: int, out_features: int) -> bool:
+    """Whether the `*_added` kernels read this residual for an output [rows, out_features]."""
+    return (
+        residual.dtype is torch.float32 and residual.device.type == "cpu" and residual.shape == (rows, out_features)
+        and residual.is_contiguous()
+    )  # fmt: skip
+
+
+def int4_blocks_added(
+    x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, residual: torch.Tensor
+) -> torch.Tensor:
+    """residual + int4_blocks_matmul(x, ...) in one call (`takes_residual`), the same bits as the two."""
+    x = _floats(x)
+    rows, cols = x.shape
+    out = torch.empty((rows, codes.shape[0]), dtype=torch.float32)
+    if rows:
+        function("int4_blocks_added")(
+            x.data_ptr(), x.dtype is torch.bfloat16, rows, cols, codes.data_ptr(), scales.data_ptr(), mins.data_ptr(),
+            scales.dtype is torch.float16, codes.shape[0], residual.data_ptr(), out.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+    return out
+
+
+def int8_rows_added(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """residual + int8_rows_matmul(x, codes, scales) in one call (`takes_residual`), the same bits as the two."""
+    x = _floats(x)
+    rows, cols = x.shape
+    out = torch.empty((rows, codes.shape[0]), dtype=torch.float32)
+    if rows:
+        function("int8_rows_added")(
+            x.data_ptr(), x.dtype is torch.bfloat16, rows, cols, codes.data_ptr(), scales.data_ptr(), codes.shape[0],
+            residual.data_ptr(), out.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
     return out
 

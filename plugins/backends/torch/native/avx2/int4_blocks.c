@@ -266,3 +266,14 @@ int int4_blocks_normed(const void *x, int x_bf16, int64_t M, int64_t K, const fl
     free(normed);
     return 0;
 }
+
+/* residual + int4_blocks_matmul(x, ...), float32 [M][N]: a linear whose output is added to the residual
+ * stream, in one call. Each sum is the one torch's add computes (one rounded float addition). */
+void int4_blocks_added(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *codes, const void *scales,
+                      const void *mins, int half, int64_t N, const float *residual, float *y, int threads)
+{
+    int4_blocks_matmul(x, x_bf16, M, K, codes, scales, mins, half, N, y, 0, threads);
+#pragma omp parallel for num_threads(threads) schedule(static) if (M * N >= 65536)
+    for (int64_t i = 0; i < M * N; i++)
+        y[i] = residual[i] + y[i];
+}

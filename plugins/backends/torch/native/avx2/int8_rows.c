@@ -214,3 +214,14 @@ int int8_rows_normed(const void *x, int x_bf16, int64_t M, int64_t K, const floa
     free(normed);
     return 0;
 }
+
+/* residual + int8_rows_matmul(x, ...), float32 [M][N]: a linear whose output is added to the residual
+ * stream, in one call. Each sum is the one torch's add computes (one rounded float addition). */
+void int8_rows_added(const void *x, int x_bf16, int64_t M, int64_t K, const int8_t *codes, const uint16_t *scales,
+                    int64_t N, const float *residual, float *y, int threads)
+{
+    int8_rows_matmul(x, x_bf16, M, K, codes, scales, N, y, threads);
+#pragma omp parallel for num_threads(threads) schedule(static) if (M * N >= 65536)
+    for (int64_t i = 0; i < M * N; i++)
+        y[i] = residual[i] + y[i];
+}
