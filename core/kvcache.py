@@ -17,25 +17,13 @@ from typing import Any
 import attrs
 import numpy as np
 
-from corral.errors import CorralError
+from corral.errors import CacheFullError
 from corral.model import Batch, CacheLayer
-from corral.options import DEFAULT_KV_CACHE_TYPE, KV_CACHE_TYPES, InvalidOptionError
+from corral.options import DEFAULT_KV_CACHE_TYPE, InvalidOptionError, checked_kv_cache_type
 
 EMPTY = -1
 
 log = logging.getLogger(__name__)
-
-
-class CacheFullError(CorralError):
-    """No free cells for the batch; the context is full."""
-
-
-def checked_kv_cache_type(value: object, source: str = "kv_cache_type") -> str:
-    """`value`, a KV cache type name (KV_CACHE_TYPES); InvalidOptionError naming `source` otherwise."""
-    name = value.strip() if isinstance(value, str) else value
-    if name not in KV_CACHE_TYPES:
-        raise InvalidOptionError(f"{source} must be one of {', '.join(KV_CACHE_TYPES)}, got {value!r}")
-    return name
 
 
 class UnsupportedKVCacheTypeError(InvalidOptionError):

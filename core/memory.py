@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import attrs
 
-from corral.errors import CorralError
+from corral.errors import CorralError, InsufficientMemoryError
 from corral.gguf import GGUFFile
 from corral.kvcache import DEFAULT_KV_CACHE_TYPE, CausalCache, runtime_cells, usable_kv_cache_type
 from corral.model import config_from_gguf
@@ -32,10 +32,6 @@ log = logging.getLogger(__name__)
 
 MIN_NUM_CTX = 512  # below this a chat model is of little use: refuse rather than run it smaller
 MEMORY_ENV = "CORRAL_MEMORY_LIMIT"  # bytes (or "512MiB", "2GB"): treat only this much as available
-
-
-class InsufficientMemoryError(CorralError):
-    """The model does not fit in the memory available, even with the smallest context."""
 
 
 # The tokenizer's vocabulary, merges and lookup tables as Python objects: measured ~710 bytes per token for
