@@ -34,12 +34,25 @@ class UnsupportedKVCacheTypeError(InvalidOptionError):
         self.cache_type, self.reason = cache_type, reason
 
 
-def usable_kv_cache_type(backend: Any, layers: list[CacheLayer], cache_type: str, *, fallback: bool = False, name: str = "") -> str:
-    """`cache_type` if the backend can hold every layer's keys and values that way.
+@attrs.frozen
+class KVCacheFallback:
+    """The server's KV cache type `asked`, replaced by f16 for a model that cannot take it, and why."""
+
+    asked: str
+    reason: str
+
+    def warn(self, name: str = "") -> None:
+        """Say so, naming the model `name`."""
+        log.warning("%s: the KV cache type %s cannot hold this model's keys and values (%s); loading it with f16",
+                    name or "the model", self.asked, self.reason)
+
+
+def kv_cache_type_for(backend: Any, layers: list[CacheLayer], cache_type: str, *, fallback: bool = False) -> tuple[str, KVCacheFallback | None]:
+    """`cache_type` if the backend can hold every layer's keys and values that way, and None.
 
     Otherwise, as Ollama treats OLLAMA_KV_CACHE_TYPE: with `fallback` (the type is a server-wide
-    preference, not asked for this model) f16 and a warning naming the model `name` and why; without
-    it (a request or Modelfile asked for the type) UnsupportedKVCacheTypeError.
+    preference, not asked for this model) f16 and the KVCacheFallback saying why, for the caller to warn
+    with once its load goes ahead; without it (a request or Modelfile asked for the type) UnsupportedKVCacheTypeError.
     """
     cache_type = checked_kv_cache_type(cache_type)
     try:
@@ -49,10 +62,16 @@ def usable_kv_cache_type(backend: Any, layers: list[CacheLayer], cache_type: str
     except UnsupportedKVCacheTypeError as error:
         if not fallback:
             raise
-        log.warning("%s: the KV cache type %s cannot hold this model's keys and values (%s); loading it with f16",
-                    name or "the model", cache_type, error.reason)
-        return DEFAULT_KV_CACHE_TYPE
-    return cache_type
+        return DEFAULT_KV_CACHE_TYPE, KVCacheFallback(cache_type, error.reason)
+    return cache_type, None
+
+
+def usable_kv_cache_type(backend: Any, layers: list[CacheLayer], cache_type: str, *, fallback: bool = False, name: str = "") -> str:
+    """`kv_cache_type_for`'s type, warning at once (naming the model `name`) when it fell back to f16."""
+    used, replaced = kv_cache_type_for(backend, layers, cache_type, fallback=fallback)
+    if replaced is not None:
+        replaced.warn(name)
+    return used
 
 
 class CellPool:
