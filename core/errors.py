@@ -34,9 +34,10 @@ class ModelNotFoundError(CorralError):
 
 
 # Errors raised in a runner, defined here rather than in the modules that raise them (corral.memory,
-# corral.kvcache, corral.vision): a runner process's error reaches the server by name and becomes the same
-# type only if the server has imported the class (runner/wire.py), and the routing server does not import
-# those modules (they import numpy; BENCHMARKS.md "Server RSS holding 500 open streams").
+# corral.kvcache, corral.vision, corral.runner.runtime, corral.tokenizer): a runner process's error reaches
+# the server by name and becomes the same type (and HTTP status) only if the server has imported the class
+# (runner/wire.py), and the routing server does not import those modules (they import numpy, torch or
+# tokenizers; BENCHMARKS.md "Server RSS holding 500 open streams").
 
 
 class InsufficientMemoryError(CorralError):
@@ -49,6 +50,18 @@ class CacheFullError(CorralError):
 
 class ProjectorError(CorralError):
     """The projector file does not fit the text model."""
+
+
+class InvalidPromptError(CorralError, ValueError):
+    """The prompt is empty, or its context holds token ids outside the model's vocabulary."""
+
+
+class InputTooLongError(CorralError, ValueError):
+    """An input to embed is longer than the context and the request said not to truncate it."""
+
+
+class TokenizerError(CorralError):
+    """The file's tokenizer metadata is missing, inconsistent or of an unsupported kind."""
 
 
 class InvalidModelNameError(CorralError):

@@ -88,20 +88,30 @@ def test_the_routing_server_serves_loads_and_streams_without_numpy_gguf_or_sente
             reply = httpx.request(method, served.url + path, json=body, timeout=120)
             assert reply.status_code == 200, (path, reply.text)
         assert len(httpx.get(served.url + "/api/ps", timeout=30).json()["models"]) == 2  # both models were loaded, in runners
+        too_long = httpx.post(served.url + "/api/embed", json={"model": TINY_BERT, "input": "Hi " * 100, "truncate": False}, timeout=60)
+        assert too_long.status_code == 400 and "longer than the context" in too_long.json()["error"]  # the runner's error, typed
         assert served.terminate() == 0, served.output
     imported = {name.split(".")[0] for name in json.loads(modules_file.read_text())}
     assert "corral" in imported and "quart" in imported
     assert imported & {"numpy", "gguf", "sentencepiece", "torch"} == set()
 
 
-def test_errors_runners_raise_keep_their_type_in_the_routing_server():
-    """A runner process's error reaches the server by name and becomes the same class only if the server has
-    imported it (runner/wire.py): these are defined in corral.errors, not in the numpy-importing modules that raise them."""
+def errors_known_after(imports: str) -> set[str]:
+    """The corral errors a process that imported `imports` rebuilds from their name and a message (runner/wire.py)."""
     probe = (
-        "import corral.server.serve, corral.server.app\n"
-        "from corral.runner.wire import error_from_json\n"
-        "for name in ('CacheFullError', 'ProjectorError', 'InsufficientMemoryError'):\n"
-        "    print(type(error_from_json({'type': name, 'message': 'm'})).__name__)\n"
+        f"import {imports}\n"
+        "from corral.runner.wire import _corral_errors, error_from_json\n"
+        "for name in _corral_errors():\n"
+        "    print(name, type(error_from_json({'type': name, 'message': 'm'})).__name__)\n"
     )
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
-    assert done.stdout.split() == ["CacheFullError", "ProjectorError", "InsufficientMemoryError"]
+    return {name for name, rebuilt in (line.split() for line in done.stdout.splitlines()) if rebuilt == name}
+
+
+def test_every_error_a_runner_raises_keeps_its_type_and_status_in_the_routing_server():
+    """A runner process's error reaches the server by name and becomes the same class, so the same HTTP status
+    (an InputTooLongError a 400, not a 500), only if the server has imported it: such errors live in corral.errors,
+    not in the runner's modules (numpy, torch, tokenizers) that raise them."""
+    in_runners = errors_known_after("corral.runner.__main__")
+    assert {"InputTooLongError", "InvalidPromptError", "CacheFullError", "ProjectorError"} <= in_runners
+    assert in_runners - errors_known_after("corral.server.serve, corral.server.app") == set()
