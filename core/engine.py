@@ -18,13 +18,13 @@ from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import attrs
 import numpy as np
-from gguf import LlamaFileType
 
 from corral.errors import CorralError
 from corral.gguf import GGUFFile
 from corral.kvcache import DEFAULT_KV_CACHE_TYPE, CausalCache
 from corral.memory import release_freed_memory, reuse_large_buffers
 from corral.model import Batch
+from corral.model_info import ModelInfo, parameter_count, quantization_name
 from corral.registry import Plugins
 from corral.template import ChatTemplate
 from corral.images import DecodedImage
@@ -34,35 +34,6 @@ if TYPE_CHECKING:
     from corral.tokenizer import Tokenizer
 
 DEFAULT_NUM_CTX = 4096
-
-
-@attrs.frozen
-class ModelInfo:
-    """What `m.info` reports about a loaded model."""
-
-    architecture: str
-    name: str
-    parameter_count: int
-    quantization: str
-    context_length: int
-    file_size: int
-    load_seconds: float
-
-
-def quantization_name(gguf: GGUFFile) -> str:
-    """The file type as Ollama shows it (`Q4_1`, `Q4_K_M`, `F16`)."""
-    file_type = gguf.get("general.file_type")
-    if file_type is None:
-        return "unknown"
-    try:
-        return LlamaFileType(file_type).name.removeprefix("MOSTLY_")
-    except ValueError:
-        return f"type {file_type}"
-
-
-def parameter_count(gguf: GGUFFile) -> int:
-    """Total number of weights in the file."""
-    return int(sum(int(np.prod(info.shape)) for info in gguf.tensors.values()))
 
 
 def resolve_model_path(name_or_path: str | os.PathLike) -> pathlib.Path:

@@ -1,9 +1,13 @@
 """Open a GGUF file: typed metadata and memory-mapped tensor data.
 
-The header is parsed here with `struct` over an mmap, using the `gguf` package's type tables.
+The header is parsed here with `struct` over an mmap, using the format's type tables (corral.ggml_types).
 `gguf.GGUFReader` builds a numpy view per array element, which takes seconds for a large
 vocabulary; this reader is hundreds of times faster (measured: BENCHMARKS.md, core/gguf.py).
 Tensor bytes are never copied: `GGUFFile.raw()` returns a view into the mapping.
+
+Neither numpy nor the `gguf` package is imported here: the routing server reads headers (model
+loads, /api/show, /api/tags) and stays ~22 MiB smaller without them. `raw()`, which only runners
+and converters call, imports numpy when it is called.
 """
 
 from __future__ import annotations
@@ -13,13 +17,15 @@ import mmap
 import os
 import pathlib
 import struct
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
-import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from corral.errors import GGUFError, NotGGUFError, TruncatedGGUFError
+from corral.ggml_types import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
+
+if TYPE_CHECKING:
+    import numpy as np
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
@@ -107,7 +113,7 @@ class _Cursor:
             return self.array()
         return self.take(_SCALAR_FORMATS[vtype])
 
-    def array(self) -> list | np.ndarray:
+    def array(self) -> list:
         item_type = self.take("<I")
         count = self.take("<Q")
         if item_type == GGUFValueType.ARRAY and self.depth >= MAX_ARRAY_DEPTH:
@@ -115,11 +121,11 @@ class _Cursor:
         self.expect(count, _MIN_ITEM_BYTES.get(item_type, 1))
         fmt = _SCALAR_FORMATS.get(GGUFValueType(item_type)) if item_type in GGUFValueType._value2member_map_ else None
         if fmt is not None:
-            # Numeric arrays (token scores, types) are read in one go.
+            # Numeric arrays (token scores, types) are read in one go: one struct call for the whole array.
             size = struct.calcsize(fmt) * count
             if self.pos + size > len(self.buf):
                 raise TruncatedGGUFError(f"{self.path}: file ends inside the GGUF header (truncated download?)")
-            values = np.frombuffer(self.buf, dtype=np.dtype(fmt), count=count, offset=self.pos).tolist()
+            values = list(struct.unpack_from(f"<{count}{fmt[1:]}", self.buf, self.pos))
             self.pos += size
             return values
         if item_type == GGUFValueType.STRING:
@@ -217,6 +223,8 @@ class GGUFFile:
 
     def raw(self, name: str) -> np.ndarray:
         """The tensor's bytes as a read-only uint8 array [rows, row_bytes] viewing the mapping."""
+        import numpy as np  # runners and converters read tensors; the routing server, which only reads headers, never does
+
         info = self.tensors[name]
         rows = math.prod(info.shape[:-1]) if len(info.shape) > 1 else 1
         flat = np.frombuffer(self._mmap, dtype=np.uint8, count=info.nbytes, offset=info.offset)

@@ -13,13 +13,14 @@ import io
 import warnings
 
 import attrs
-import numpy as np
 from typing import TYPE_CHECKING
 
 from corral.errors import CorralError
 
-# Pillow loads when an image is decoded, not with this module: the server imports it and stays small.
+# Pillow loads when an image is decoded and numpy when one is preprocessed (in a runner), not with this
+# module: the server imports it and stays small.
 if TYPE_CHECKING:
+    import numpy as np
     from PIL import Image
 
 # The most pixels an image may have before it is decoded (Pillow's own bomb check warns at 89 M and
@@ -97,6 +98,8 @@ def to_rgb(image: Image.Image) -> Image.Image:
 
 def preprocess(image: Image.Image, spec: ImageSpec) -> np.ndarray:
     """float32 [3, size, size]: RGB, fitted to the square, scaled by 1/255, normalised (the HF processors' PIL path)."""
+    import numpy as np
+
     resized = fit_square(to_rgb(image), spec)
     # In float64 and then float32, as transformers' rescale and normalize compute it: equal to its pixels.
     pixels = (np.asarray(resized, dtype=np.float64) * (1 / 255)).astype(np.float32)

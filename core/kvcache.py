@@ -17,25 +17,13 @@ from typing import Any
 import attrs
 import numpy as np
 
-from corral.errors import CorralError
+from corral.errors import CacheFullError
 from corral.model import Batch, CacheLayer
-from corral.options import DEFAULT_KV_CACHE_TYPE, KV_CACHE_TYPES, InvalidOptionError
+from corral.options import DEFAULT_KV_CACHE_TYPE, InvalidOptionError, checked_kv_cache_type
 
 EMPTY = -1
 
 log = logging.getLogger(__name__)
-
-
-class CacheFullError(CorralError):
-    """No free cells for the batch; the context is full."""
-
-
-def checked_kv_cache_type(value: object, source: str = "kv_cache_type") -> str:
-    """`value`, a KV cache type name (KV_CACHE_TYPES); InvalidOptionError naming `source` otherwise."""
-    name = value.strip() if isinstance(value, str) else value
-    if name not in KV_CACHE_TYPES:
-        raise InvalidOptionError(f"{source} must be one of {', '.join(KV_CACHE_TYPES)}, got {value!r}")
-    return name
 
 
 class UnsupportedKVCacheTypeError(InvalidOptionError):
@@ -46,12 +34,25 @@ class UnsupportedKVCacheTypeError(InvalidOptionError):
         self.cache_type, self.reason = cache_type, reason
 
 
-def usable_kv_cache_type(backend: Any, layers: list[CacheLayer], cache_type: str, *, fallback: bool = False, name: str = "") -> str:
-    """`cache_type` if the backend can hold every layer's keys and values that way.
+@attrs.frozen
+class KVCacheFallback:
+    """The server's KV cache type `asked`, replaced by f16 for a model that cannot take it, and why."""
+
+    asked: str
+    reason: str
+
+    def warn(self, name: str = "") -> None:
+        """Say so, naming the model `name`."""
+        log.warning("%s: the KV cache type %s cannot hold this model's keys and values (%s); loading it with f16",
+                    name or "the model", self.asked, self.reason)
+
+
+def kv_cache_type_for(backend: Any, layers: list[CacheLayer], cache_type: str, *, fallback: bool = False) -> tuple[str, KVCacheFallback | None]:
+    """`cache_type` if the backend can hold every layer's keys and values that way, and None.
 
     Otherwise, as Ollama treats OLLAMA_KV_CACHE_TYPE: with `fallback` (the type is a server-wide
-    preference, not asked for this model) f16 and a warning naming the model `name` and why; without
-    it (a request or Modelfile asked for the type) UnsupportedKVCacheTypeError.
+    preference, not asked for this model) f16 and the KVCacheFallback saying why, for the caller to warn
+    with once its load goes ahead; without it (a request or Modelfile asked for the type) UnsupportedKVCacheTypeError.
     """
     cache_type = checked_kv_cache_type(cache_type)
     try:
@@ -61,10 +62,16 @@ def usable_kv_cache_type(backend: Any, layers: list[CacheLayer], cache_type: str
     except UnsupportedKVCacheTypeError as error:
         if not fallback:
             raise
-        log.warning("%s: the KV cache type %s cannot hold this model's keys and values (%s); loading it with f16",
-                    name or "the model", cache_type, error.reason)
-        return DEFAULT_KV_CACHE_TYPE
-    return cache_type
+        return DEFAULT_KV_CACHE_TYPE, KVCacheFallback(cache_type, error.reason)
+    return cache_type, None
+
+
+def usable_kv_cache_type(backend: Any, layers: list[CacheLayer], cache_type: str, *, fallback: bool = False, name: str = "") -> str:
+    """`kv_cache_type_for`'s type, warning at once (naming the model `name`) when it fell back to f16."""
+    used, replaced = kv_cache_type_for(backend, layers, cache_type, fallback=fallback)
+    if replaced is not None:
+        replaced.warn(name)
+    return used
 
 
 class CellPool:

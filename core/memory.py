@@ -22,9 +22,9 @@ from typing import Any, Callable
 
 import attrs
 
-from corral.errors import CorralError
+from corral.errors import CorralError, InsufficientMemoryError
 from corral.gguf import GGUFFile
-from corral.kvcache import DEFAULT_KV_CACHE_TYPE, CausalCache, runtime_cells, usable_kv_cache_type
+from corral.kvcache import DEFAULT_KV_CACHE_TYPE, CausalCache, kv_cache_type_for, runtime_cells
 from corral.model import config_from_gguf
 from corral.registry import Plugins
 
@@ -32,10 +32,6 @@ log = logging.getLogger(__name__)
 
 MIN_NUM_CTX = 512  # below this a chat model is of little use: refuse rather than run it smaller
 MEMORY_ENV = "CORRAL_MEMORY_LIMIT"  # bytes (or "512MiB", "2GB"): treat only this much as available
-
-
-class InsufficientMemoryError(CorralError):
-    """The model does not fit in the memory available, even with the smallest context."""
 
 
 # The tokenizer's vocabulary, merges and lookup tables as Python objects: measured ~710 bytes per token for
@@ -68,13 +64,14 @@ class LoadPlan:
 class Estimator:
     """The memory prediction of one file on one backend, for any context (the file is read once).
 
-    The KV cache type is checked against the model's head dims first (`usable_kv_cache_type`): with
-    `kv_cache_fallback` one the backend cannot take becomes f16 (a warning naming `name`), else it is refused.
+    The KV cache type is checked against the model's head dims first (`kv_cache_type_for`): with
+    `kv_cache_fallback` one the backend cannot take becomes f16 (`kv_cache_replaced` says why; plan_load warns),
+    else it is refused.
     """
 
     def __init__(self, path: str | os.PathLike, num_parallel: int, num_batch: int = 512, plugins: Plugins | None = None,
                  backend: Any = None, projector: str | os.PathLike | None = None, kv_cache_type: str = DEFAULT_KV_CACHE_TYPE,
-                 kv_cache_fallback: bool = False, name: str = ""):
+                 kv_cache_fallback: bool = False):
         plugins = plugins or Plugins()
         gguf = GGUFFile.open(path)
         model_class = plugins.architecture_for(gguf)
@@ -84,9 +81,7 @@ class Estimator:
         # As the runtime does: a batch never exceeds the context, so a huge num_batch predicts no huge buffer.
         num_batch = max(1, min(num_batch, self.trained))
         self._layers = model_class.cache_layout(config)
-        kv_cache_type = usable_kv_cache_type(
-            self.backend, self._layers, kv_cache_type, fallback=kv_cache_fallback, name=name or os.path.basename(os.fspath(path))
-        )
+        kv_cache_type, self.kv_cache_replaced = kv_cache_type_for(self.backend, self._layers, kv_cache_type, fallback=kv_cache_fallback)
         self.num_parallel, self.num_batch, self.kv_cache_type = num_parallel, num_batch, kv_cache_type
         # A vision projector's weights count as its file's size: its tensors are float32 and float16, held dense.
         self._weights = int(self.backend.resident_bytes(model_class.tensor_plan(gguf))) + (os.path.getsize(projector) if projector else 0)
@@ -133,11 +128,15 @@ def plan_load(
     plugins = plugins or Plugins()
     backend = plugins.open_backend(device=device, precision=precision)
     name = name or os.path.basename(os.fspath(path))
-    estimator = Estimator(path, num_parallel, num_batch, plugins, backend, projector, kv_cache_type, kv_cache_fallback, name)
+    estimator = Estimator(path, num_parallel, num_batch, plugins, backend, projector, kv_cache_type, kv_cache_fallback)
     if available is None:
         available = available_bytes(estimator.backend)
     num_ctx = min(num_ctx, estimator.trained)
     fitted = fit_context(estimator, num_ctx, available, name=name, floor=None if lower_context else num_ctx)
+    # Warned only once the plan fits: a load the scheduler retries (it first refuses to lower the context while
+    # idle models may be unloaded instead) is planned twice, and is one load.
+    if estimator.kv_cache_replaced is not None:
+        estimator.kv_cache_replaced.warn(name)
     return LoadPlan(fitted, estimator(fitted), available, estimator.kv_cache_type)
 
 

@@ -20,7 +20,7 @@ from typing import Any, ClassVar, Sequence
 
 import attrs
 import numpy as np
-from gguf import GGMLQuantizationType
+from corral.ggml_types import GGMLQuantizationType
 
 from corral.errors import GGUFError, MissingTensorError, UnsupportedTensorTypeError
 from corral.gguf import GGUFFile, TensorInfo

@@ -32,6 +32,14 @@ class InvalidOptionError(CorralError):
     """A request option has the wrong type or is out of range."""
 
 
+def checked_kv_cache_type(value: object, source: str = "kv_cache_type") -> str:
+    """`value`, a KV cache type name (KV_CACHE_TYPES); InvalidOptionError naming `source` otherwise."""
+    name = value.strip() if isinstance(value, str) else value
+    if name not in KV_CACHE_TYPES:
+        raise InvalidOptionError(f"{source} must be one of {', '.join(KV_CACHE_TYPES)}, got {value!r}")
+    return name
+
+
 @attrs.frozen
 class Check:
     """A range an option must lie in: `lo <= value <= hi` (None: unbounded)."""

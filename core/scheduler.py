@@ -20,12 +20,10 @@ from typing import Any, AsyncIterator
 import attrs
 import trio
 
-from corral import memory
 from corral.discover import context_default, effective_num_ctx, system_info
-from corral.errors import CorralError, ModelNotFoundError
-from corral.kvcache import DEFAULT_KV_CACHE_TYPE, checked_kv_cache_type
+from corral.errors import CorralError, InsufficientMemoryError, ModelNotFoundError
 from corral.modelfile import model_defaults
-from corral.options import LOAD_TIME_OPTIONS, STANDARD_OPTIONS, InvalidOptionError, parse_options
+from corral.options import DEFAULT_KV_CACHE_TYPE, LOAD_TIME_OPTIONS, STANDARD_OPTIONS, InvalidOptionError, checked_kv_cache_type, parse_options
 from corral.parallel.shards import check_split
 from corral.registry import Plugins
 from corral.runner.interface import Runner
@@ -290,7 +288,7 @@ class Scheduler:
             victim = self._next_victim()
             try:
                 return await self._load(name, path, wanted, lower_context=victim is None)
-            except memory.InsufficientMemoryError:
+            except InsufficientMemoryError:
                 if victim is None:
                     raise
             log.info("unloading %s: %s does not fit in memory beside it", victim.name, name)

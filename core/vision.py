@@ -20,7 +20,7 @@ from typing import Any, Callable, Sequence
 import attrs
 import numpy as np
 
-from corral.errors import CorralError
+from corral.errors import CorralError, ProjectorError
 from corral.gguf import GGUFFile
 from corral.images import DecodedImage, ImageSpec, decode, preprocess
 from corral.model import Batch
@@ -29,10 +29,6 @@ EMBEDDINGS_KEPT = 32  # images whose embeddings stay cached per loaded encoder
 IMAGE_FILLER = 0  # the token id an image row carries (its embedding is replaced): any valid row of the table
 # Where image N of a request goes in its rendered prompt, as Ollama's server marks it for its runner.
 IMAGE_TAG = re.compile(r"\[img-(\d+)\]")
-
-
-class ProjectorError(CorralError):
-    """The projector file does not fit the text model."""
 
 
 @attrs.frozen

@@ -63,20 +63,25 @@ def maps_torch(pid: int) -> bool:
 
 class ServeProcess:
     """`python -m corral.cli serve` on a free loopback port over the store at `root`, with runner processes
-    as a user's server has (the test session's default is in-process)."""
+    as a user's server has (the test session's default is in-process). `python_args` replace `-m corral.cli serve`
+    (a `-c` program that runs the CLI after setting something up)."""
 
-    def __init__(self, root: pathlib.Path, env: dict[str, str] | None = None, host_env: str = "CORRAL_HOST"):
+    def __init__(
+        self, root: pathlib.Path, env: dict[str, str] | None = None, host_env: str = "CORRAL_HOST",
+        python_args: tuple[str, ...] = ("-m", "corral.cli", "serve"),
+    ):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.env = {**os.environ, "CORRAL_MODELS": str(root), "CORRAL_RUNNER": "process", host_env: f"127.0.0.1:{self.port}", **(env or {})}
         if host_env != "CORRAL_HOST":
             self.env.pop("CORRAL_HOST", None)
+        self.python_args = python_args
         self.process: subprocess.Popen | None = None
         self.output = ""
 
     def __enter__(self) -> ServeProcess:
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "corral.cli", "serve"], env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            [sys.executable, *self.python_args], env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             text=True,
         )
         deadline = time.monotonic() + START_TIMEOUT

@@ -15,10 +15,12 @@ from tiny_gguf import write_tiny_gemma3, write_tiny_llama
 from corral import memory
 from corral.engine import load_model
 from corral.kvcache import UnsupportedKVCacheTypeError
+from corral.modelfile import ModelSpec, create_model
 from corral.plugins.backends.torch.kv_cells import QuantizedCells
 from corral.runner.process import RunnerProcess
 from corral.runner.runtime import Runtime
-from corral.scheduler import kv_cache_type_from_env
+from corral.scheduler import Scheduler, kv_cache_type_from_env
+from corral.store import Store
 
 GREEDY = {"temperature": 0, "num_predict": 3}
 
@@ -130,3 +132,24 @@ async def test_a_runner_process_falls_back_and_names_the_model(keys_fit_values_d
             assert final.eval_count == 3
     [warning] = fallback_warnings(caplog)
     assert "tiny-v24:latest: the KV cache type q8_0 cannot hold" in warning and "is 24" in warning
+
+
+async def test_a_load_the_scheduler_retries_warns_once(tmp_path, monkeypatch, nursery, caplog):
+    """With an idle model loaded the scheduler first asks for the whole context, then unloads the idle one and lets
+    the context be lowered: two tries, one load, one warning."""
+    store = Store(tmp_path / "models")
+    create_model(store, "idle:latest", ModelSpec(gguf_path=write_tiny_llama(tmp_path / "idle.gguf", head_count=2, head_count_kv=1)))  # takes q8_0
+    v24 = write_tiny_gemma3(tmp_path / "v24.gguf", key_length=32, value_length=24, context_length=8192)
+    create_model(store, "v24:latest", ModelSpec(gguf_path=v24))
+    monkeypatch.setenv("CORRAL_MEMORY_LIMIT", str(memory.estimate(v24, 1024, 1, kv_cache_type="f16").total))
+    scheduler = Scheduler(store, num_parallel=1, default_num_ctx=8192, runner="inprocess", kv_cache_type="q8_0")
+    await nursery.start(scheduler.run)
+    async with scheduler.use("idle"):
+        pass
+    with caplog.at_level(logging.INFO, logger="corral"):
+        async with scheduler.use("v24") as loaded:
+            assert loaded.runtime.num_ctx == 1024 and loaded.runtime.cache.cache_type == "f16"
+    assert list(scheduler.loaded) == ["v24:latest"]
+    assert "unloading idle:latest: v24:latest does not fit in memory beside it" in caplog.text  # it was retried
+    [warning] = fallback_warnings(caplog)
+    assert warning.startswith("v24:latest: the KV cache type q8_0 cannot hold")

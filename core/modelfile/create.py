@@ -21,12 +21,9 @@ import attrs
 
 from corral.errors import CorralError, GGUFError, MissingTensorError, ModelNotFoundError, UnknownArchitectureError, UnsupportedTensorTypeError
 from corral.gguf import GGUFFile
-from corral.model import check_binds
 from corral.modelfile.defaults import stored_parameters
 from corral.modelfile.syntax import IGNORED_PARAMETERS, Message, Modelfile, ModelfileError
 from corral.options import STANDARD_OPTIONS, InvalidOptionError, parse_options
-from corral.quantize import check_quantizable, quantize_to_blob
-from corral.quantize.presets import preset
 from corral.registry import Plugins
 from corral.store import (
     LICENSE_MEDIA_TYPE,
@@ -152,6 +149,8 @@ def check_spec(store: Store, spec: ModelSpec) -> tuple[Layer, ...]:
         except ConvertError as error:
             raise CreateModelError(str(error)) from None
         if spec.quantize is not None:
+            from corral.quantize import preset  # numpy and gguf: only a create that quantizes imports them
+
             preset(spec.quantize)  # the name now; the converted file is checked once it exists
     else:
         _check_gguf(spec.gguf_path, str(spec.gguf_path))
@@ -169,6 +168,8 @@ def _check_template(source: str) -> None:
 
 def _check_quantize(path: Path, quantize: str | None) -> None:
     if quantize is not None:
+        from corral.quantize import check_quantizable  # numpy and gguf: only a create that quantizes imports them
+
         check_quantizable(path, quantize)
 
 
@@ -196,6 +197,8 @@ def _check_gguf(path: Path, what: str) -> None:
         try:
             if gguf.architecture == "clip":
                 raise CreateModelError(f"{what} is a vision projector, not a model: give the model first and the projector as a second FROM")
+            from corral.model import check_binds  # numpy, as the architecture plugins it binds: a create from a GGUF imports them
+
             check_binds(Plugins().architecture_for(gguf), gguf)
             _check_tokenizer(gguf.metadata)
         finally:
@@ -296,6 +299,8 @@ def create_model(store: Store, name: str | ModelName, spec: ModelSpec, progress:
 
 def _quantize_base(store: Store, spec: ModelSpec, layers: list[tuple[str, str]], created: set[str], report: Progress) -> None:
     """Quantize the base's GGUF into a new blob, which takes the place of the base's model layer."""
+    from corral.quantize import check_quantizable, quantize_to_blob  # numpy and gguf: only a create that quantizes imports them
+
     base = next((digest for media_type, digest in layers if media_type == MODEL_MEDIA_TYPE), None)
     if base is not None:
         source = store.blob_path(base)

@@ -24,6 +24,7 @@ from gguf import GGML_QUANT_SIZES, GGUFValueType, LlamaFileType
 from gguf import GGMLQuantizationType as Q
 
 from corral.errors import CorralError
+from corral.ggml_types import GGMLQuantizationType
 from corral.gguf import GGUFFile
 from corral.quantize import kquants
 from corral.quantize.mix import ModelShape, TensorShape, tensor_types
@@ -79,7 +80,8 @@ def model_shape(source: GGUFFile) -> ModelShape:
 def plan(source: GGUFFile, preset: Preset, allow_requantize: bool = False) -> Plan:
     """Each tensor's type under `preset`; QuantizeError when a quantized tensor would need converting."""
     tensors = [TensorShape(info.name, info.shape, info.qtype) for info in source.tensors.values()]
-    unknown = sorted(t.name for t in tensors if not isinstance(t.qtype, Q))
+    # GGUFFile's types are corral.ggml_types' (equal to gguf's by value); a type neither knows stays an int
+    unknown = sorted(t.name for t in tensors if not isinstance(t.qtype, GGMLQuantizationType))
     if unknown:
         raise QuantizeError(f"cannot quantize: tensor {unknown[0]} has a GGML type gguf does not know")
     types = tensor_types(model_shape(source), tensors, preset)

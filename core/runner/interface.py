@@ -14,7 +14,7 @@ from typing import AsyncIterator, Awaitable, Callable, Protocol, Sequence, runti
 import attrs
 import trio
 
-from corral.engine import ModelInfo
+from corral.model_info import ModelInfo
 from corral.errors import CorralError
 from corral.runner.stream import Chunk
 

@@ -28,8 +28,8 @@ from typing import Any, AsyncIterator, Sequence
 
 import trio
 
-from corral.engine import ModelInfo
-from corral.memory import InsufficientMemoryError
+from corral.errors import InsufficientMemoryError
+from corral.model_info import ModelInfo
 from corral.runner.interface import Embeddings, RunnerStatus, Stream
 from corral.runner.stream import Chunk
 from corral.runner.wire import JsonLines, RunnerError, chunk_from_json, error_from_json, images_to_json  # noqa: F401 (RunnerError is re-exported)

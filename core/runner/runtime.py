@@ -21,7 +21,7 @@ import trio
 
 from corral import memory
 from corral.engine import LoadedModel, ModelInfo, load_model, resolve_model_path
-from corral.errors import CorralError
+from corral.errors import InputTooLongError, InvalidPromptError
 from corral.grammar import Grammar, GrammarMatcher, compile_format
 from corral.kvcache import DEFAULT_KV_CACHE_TYPE, CausalCache, checked_kv_cache_type, runtime_cells, usable_kv_cache_type
 from corral.options import InvalidOptionError, Options, parse_options
@@ -37,14 +37,6 @@ from corral.runner.stream import Chunk
 from corral.images import DecodedImage, decode
 from corral.vision import ImageRun, ProjectorError, image_runs, placeholder_id
 from corral.sample import MAX_TOP_LOGPROBS, SamplerChain
-
-
-class InvalidPromptError(CorralError, ValueError):
-    """The prompt is empty, or its context holds token ids outside the model's vocabulary."""
-
-
-class InputTooLongError(CorralError, ValueError):
-    """An input to embed is longer than the context and the request said not to truncate it."""
 
 
 class RequestState(enum.Enum):

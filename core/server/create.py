@@ -24,7 +24,6 @@ from corral.errors import GGUFError
 from corral.gguf import GGUFFile
 from corral.modelfile.create import CreateModelError, ModelSpec, check_spec, create_model, parse_messages, validate_parameters
 from corral.modelfile.syntax import Modelfile
-from corral.quantize import preset
 from corral.server.http import ApiError, field, ndjson_response, read_json
 from corral.server.state import state
 from corral.store import Store, parse_digest, parse_name
@@ -126,6 +125,8 @@ def _spec_from_body(body: dict) -> tuple[ModelSpec, list[dict]]:
         fields["license"] = _licenses(license)
     # `quantization` is the field's older name, which Ollama still reads.
     if quantize := field(body, "quantize", str, "") or field(body, "quantization", str, ""):
+        from corral.quantize import preset  # numpy and gguf: only a create that quantizes imports them
+
         fields["quantize"] = preset(quantize).name  # an unknown type: 400 listing the known ones
     return ModelSpec(**fields), events
 

@@ -8,11 +8,11 @@ requests). /api/embed and /v1/embeddings return unit-length vectors, as Ollama d
 from __future__ import annotations
 
 import base64
+import struct
 import time
 from typing import Any, Sequence
 
 import attrs
-import numpy as np
 import quart
 import trio
 
@@ -119,7 +119,8 @@ def _openai_inputs(value: Any) -> list[str | list[int]]:
 
 def _encoded(vector: list[float], encoding: str) -> list[float] | str:
     # base64: the float32 values' little-endian bytes, as OpenAI sends them (its client decodes them with numpy).
-    return vector if encoding == "float" else base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode()
+    # struct rather than numpy: the routing server does not import numpy (BENCHMARKS.md, "Server RSS").
+    return vector if encoding == "float" else base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
 
 
 @bp.post("/v1/embeddings")

@@ -14,13 +14,13 @@ from corral.distribution.errors import NotEnoughSpaceError, RegistryError
 from corral.errors import (
     CorralError,
     GGUFError,
+    InsufficientMemoryError,
     InvalidModelNameError,
     MissingTensorError,
     ModelNotFoundError,
     UnknownArchitectureError,
     UnsupportedTensorTypeError,
 )
-from corral.memory import InsufficientMemoryError
 from corral.options import InvalidOptionError
 from corral.runner.process import RunnerError
 from corral.scheduler import InvalidKeepAliveError, ServerBusyError

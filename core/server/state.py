@@ -8,7 +8,7 @@ from typing import Any
 import attrs
 import quart
 
-from corral.engine import parameter_count, quantization_name
+from corral.model_info import parameter_count, quantization_name
 from corral.gguf import GGUFFile
 from corral.modelfile.defaults import model_defaults
 from corral.scheduler import Scheduler

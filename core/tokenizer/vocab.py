@@ -17,14 +17,10 @@ import attrs
 import numpy as np
 from tokenizers import AddedToken
 
-from corral.errors import CorralError
+from corral.errors import TokenizerError
 
 
 SPIECE_SPACE = "\u2581"  # SentencePiece's stand-in for a space
-
-
-class TokenizerError(CorralError):
-    """The file's tokenizer metadata is missing, inconsistent or of an unsupported kind."""
 
 
 class TokenType(enum.IntEnum):
