@@ -90,3 +90,13 @@ def test_longrope_keeps_a_table_for_each_factor_set():
     assert torch.equal(got_short, rope_table.pairs_of(table_for(at, rope, small), False))
     assert torch.equal(got_long, rope_table.pairs_of(table_for(at, rope, large), False))
     assert not torch.equal(got_short, got_long) and set(rows._pairs) == {False, True}
+
+
+def test_negative_positions_and_no_rows_are_computed_at_the_step():
+    # A context shift turns cached keys back by the positions it drops: negative angles, never in the table
+    rope = Rope(dims=64, base=10000.0, rotation_only=True)
+    rows = rope_table.RopeRows(rope, table_for)
+    back = torch.tensor([-7, -7, -7])
+    assert torch.equal(rows.rows(back), rope_table.pairs_of(table_for(back, rope), False))
+    assert rows.rows(torch.tensor([], dtype=torch.long)).shape[0] == 0
+    assert not rows._pairs

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from tiny_gguf import VOCAB_SIZE, write_tensors, write_tiny_llama
+from tiny_gguf import VOCAB_SIZE, write_tensors, write_tiny_gemma3, write_tiny_llama
 
 from corral.gguf import GGUFFile
 from corral.topk import topk
@@ -253,9 +253,9 @@ def llama_path(tmp_path_factory) -> str:
     return write_tiny_llama(tmp_path_factory.mktemp("llama") / "tiny.gguf", tensor_types={"token_embd.weight": Q.Q8_0})
 
 
-def load(path: str, precision: str):
+def load(path: str, precision: str, architecture: str = "llama"):
     backend = TorchBackend(device="cpu", precision=precision)
-    return backend, Plugins().architectures()["llama"].from_gguf(GGUFFile.open(path), backend)
+    return backend, Plugins().architectures()[architecture].from_gguf(GGUFFile.open(path), backend)
 
 
 def steps() -> list[Batch]:
@@ -263,10 +263,10 @@ def steps() -> list[Batch]:
     return [Batch.single(TOKENS[:5])] + [Batch.single([t], start=i) for i, t in enumerate(TOKENS[5:], start=5)]
 
 
-def run_fresh(path: str, precision: str, optimize: bool = True) -> list[torch.Tensor]:
+def run_fresh(path: str, precision: str, optimize: bool = True, architecture: str = "llama") -> list[torch.Tensor]:
     """Each step through a freshly recorded context, on a backend of its own; rewritten by the
     fusion passes unless not `optimize`."""
-    backend, model = load(path, precision)
+    backend, model = load(path, precision, architecture)
     cache, out = CausalCache(backend, model.cache_layers(), 32), []
     for batch in steps():
         view = cache.prepare(batch)
@@ -276,9 +276,9 @@ def run_fresh(path: str, precision: str, optimize: bool = True) -> list[torch.Te
     return out
 
 
-def run_reused(path: str, precision: str, copy_inputs: bool = False):
+def run_reused(path: str, precision: str, copy_inputs: bool = False, architecture: str = "llama"):
     """Each step through backend.run (graphs reused by shape): the logits, the counting model, the backend."""
-    backend, model = load(path, precision)
+    backend, model = load(path, precision, architecture)
     counting = Counting(model, copy_inputs)
     cache = CausalCache(backend, model.cache_layers(), 32)
     return [backend.run(counting, batch, cache.prepare(batch)) for batch in steps()], counting, backend
@@ -594,6 +594,22 @@ def test_a_linear_added_to_the_residual_sums_in_its_kernel_call_with_the_same_bi
         assert torch.equal(got, expected)
 
 
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0], ids=["int4 blocks", "int8 rows"])
+def test_a_post_normed_linear_added_to_the_residual_runs_in_its_kernel_call_with_the_same_bits(tmp_path, monkeypatch, qtype):
+    # Gemma 3: residual + rms_norm(linear(x)) after the attention and after the feed-forward
+    types = {f"blk.{i}.{name}.weight": qtype for i in range(6) for name in ("attn_output", "ffn_down")}
+    path = write_tiny_gemma3(tmp_path / "post_normed.gguf", tensor_types=types)
+    reused, _, backend = run_reused(path, "auto", architecture="gemma3")
+    if not torch_native.has("int4_blocks_added"):
+        pytest.skip("no native kernels here")
+    _, graph, _ = backend._graphs._graphs[(1, 1)]
+    added = [args for fn, args in graph.nodes if fn is torch_backend._added_linear]
+    assert len(added) == 12 and all(args[4] is not None for args in added)  # both post-norms of the 6 blocks
+    monkeypatch.setattr(torch_backend, "fuse_residuals", lambda graph, outputs, *_: outputs)
+    for got, expected in zip(reused, run_fresh(path, "auto", architecture="gemma3"), strict=True):
+        assert torch.equal(got, expected)
+
+
 def test_the_added_kernels_give_torchs_sum_and_take_only_a_residual_of_the_outputs_shape():
     if not torch_native.has("int4_blocks_added"):
         pytest.skip("no native kernels here")
@@ -602,8 +618,11 @@ def test_the_added_kernels_give_torchs_sum_and_take_only_a_residual_of_the_outpu
     codes = torch.randint(0, 16, (64, 128), dtype=torch.uint8, generator=generator)
     int4 = torch_weights.Int4Blocks.from_codes(codes, torch.rand(64, 4, generator=generator) / 8, -torch.rand(64, 4, generator=generator))
     int8 = torch_weights.Int8Weight.quantize(torch.randn(64, 128, generator=generator))
+    norm = torch.rand(64, generator=generator) + 0.5
     for weight in (int4, int8):
         assert torch.equal(weight.added_matmul(x, residual), torch.add(residual, weight.matmul(x)))
+        normed = torch_native.rms_norm(weight.matmul(x), norm, 1e-6)
+        assert torch.equal(weight.added_matmul(x, residual, None, norm, 1e-6), torch.add(residual, normed))
         row = residual[:1]  # broadcast over the rows: not the kernel's, torch's add still gives the sum
         assert torch.equal(weight.added_matmul(x, row), torch.add(row, weight.matmul(x)))
     assert not torch_native.takes_residual(residual.t(), 64, 5) and torch_native.takes_residual(residual, 5, 64)

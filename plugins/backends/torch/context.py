@@ -48,7 +48,8 @@ class TorchContext(Graph):
         if self.backend.native("rms_norm"):
             (output,) = fuse_norms(self, (output,), native.rms_norm, _linear, _normed_linear)
         if self.backend.device.type == "cpu":
-            (output,) = fuse_residuals(self, (output,), _linear, _added_linear)
+            post_norm = native.rms_norm if self.backend.native("rms_norm") else None
+            (output,) = fuse_residuals(self, (output,), _linear, post_norm, _added_linear)
         return output
 
     # --- ops -------------------------------------------------------------------------------
@@ -244,9 +245,11 @@ def _normed_linear(x: torch.Tensor, norm: torch.Tensor, eps: float, weight: Any,
     return weight.normed_matmul(x, norm, eps, runs)
 
 
-def _added_linear(x: torch.Tensor, weight: Any, residual: torch.Tensor, runs: list[tuple[int, int]] | None) -> torch.Tensor:
-    """`residual + _linear(x, weight, None, runs)` (fusion.fuse_residuals)."""
-    return weight.added_matmul(x, residual, runs)
+def _added_linear(
+    x: torch.Tensor, weight: Any, residual: torch.Tensor, runs: list[tuple[int, int]] | None, norm: Any, eps: float
+) -> torch.Tensor:
+    """`residual + _linear(x, weight, None, runs)`, normed by `norm` first where given (fusion.fuse_residuals)."""
+    return weight.added_matmul(x, residual, runs, norm, eps)
 
 
 def _concat(dim: int, *xs: torch.Tensor) -> torch.Tensor:

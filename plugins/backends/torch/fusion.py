@@ -337,32 +337,46 @@ def fuse_norms(graph: Graph, outputs: tuple[Node, ...], norm: Callable, linear: 
     return rewrite.finish(outputs)
 
 
-def fuse_residuals(graph: Graph, outputs: tuple[Node, ...], linear: Callable, added: Callable) -> tuple[Node, ...]:
+def fuse_residuals(graph: Graph, outputs: tuple[Node, ...], linear: Callable, norm: Callable | None, added: Callable) -> tuple[Node, ...]:
     """Rewrite `graph` so that add(residual, linear(x, weight, None, runs)), the linear read by
-    nothing else and its weight one with an `added_matmul`, is added(x, weight, residual, runs):
-    the sum made in the kernel's call (llama's attention and feed-forward outputs)."""
+    nothing else and its weight one with an `added_matmul`, is added(x, weight, residual, runs, None,
+    0.0): the sum made in the kernel's call (llama's attention and feed-forward outputs). With `norm`,
+    add(residual, norm(linear(...), w, eps)) too, the norm read only by the sum, is added(x, weight,
+    residual, runs, w, eps) (Gemma's post-norms)."""
     nodes = graph.nodes
     readers = _reader_counts(nodes)
-    fused: dict[int, tuple[int, Node]] = {}  # add -> (its linear, the residual)
+    fused: dict[int, tuple[int, Node, int | None]] = {}  # add -> (its linear, the residual, the norm between)
+
+    def product_of(node: Node) -> tuple[int, int | None] | None:
+        between = None
+        fn, args = nodes[node.index]
+        if norm is not None and fn is norm and type(args[0]) is Node and readers[node.index] == 1:
+            between, node = node.index, args[0]
+            fn, args = nodes[node.index]
+        if fn is linear and args[2] is None and hasattr(args[1], "added_matmul") and readers[node.index] == 1:
+            return node.index, between
+        return None
+
     for i, (fn, args) in enumerate(nodes):
         if fn is not torch.add or len(args) != 2 or not all(type(a) is Node for a in args):
             continue
         for product, residual in (args, args[::-1]):
-            lin_fn, lin_args = nodes[product.index]
-            if lin_fn is linear and lin_args[2] is None and hasattr(lin_args[1], "added_matmul") and readers[product.index] == 1:
-                fused[i] = (product.index, residual)
+            found = product_of(product)
+            if found is not None:
+                fused[i] = (found[0], residual, found[1])
                 break
     if not fused:
         return outputs
-    dropped = {product for product, _ in fused.values()}
+    dropped = {product for product, _, _ in fused.values()} | {between for _, _, between in fused.values() if between is not None}
     rewrite = Rewrite(graph)
     for i in range(len(nodes)):
         if i in dropped:
             continue
         if i in fused:
-            product, residual = fused[i]
+            product, residual, between = fused[i]
             x, weight, _, runs = nodes[product][1]
-            rewrite.replace(i, added, rewrite.new(x), weight, rewrite.new(residual), runs)
+            weights, eps = (None, 0.0) if between is None else nodes[between][1][1:]
+            rewrite.replace(i, added, rewrite.new(x), weight, rewrite.new(residual), runs, weights, eps)
         else:
             rewrite.keep(i)
     return rewrite.finish(outputs)

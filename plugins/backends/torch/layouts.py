@@ -199,11 +199,11 @@ class Int4Blocks:
             return self.matmul(native.rms_norm(x, norm, eps), runs)
         return native.int4_blocks_normed(x, norm, eps, self.codes, self.scales, self.mins)
 
-    def added_matmul(self, x: torch.Tensor, residual: torch.Tensor, runs: Runs = None) -> torch.Tensor:
-        """`residual + matmul(x)` in one native call, the same bits."""
-        if not (native.has("int4_blocks_added") and native.takes_residual(residual, x.shape[0], self.out_features)):
-            return residual + self.matmul(x, runs)
-        return native.int4_blocks_added(x, self.codes, self.scales, self.mins, residual)
+    def added_matmul(self, x: torch.Tensor, residual: torch.Tensor, runs: Runs = None, norm: Any = None, eps: float = 0.0) -> torch.Tensor:
+        """`residual + matmul(x)`, or `residual + native.rms_norm(matmul(x), norm, eps)`, in one native call: the same bits."""
+        if not (native.has("int4_blocks_added") and native.takes_residual(residual, x.shape[0], self.out_features, norm)):
+            return added(residual, self.matmul(x, runs), norm, eps)
+        return native.int4_blocks_added(x, self.codes, self.scales, self.mins, residual, norm, eps)
 
     def coarse(self, x: torch.Tensor) -> torch.Tensor:
         """Products with int8 activations (a scale per 32): faster, for ranking candidates."""
@@ -308,6 +308,11 @@ def rounded(values: torch.Tensor, dtype: torch.dtype, up: bool) -> torch.Tensor:
     return torch.where(off, torch.nextafter(near, toward), near).float()
 
 
+def added(residual: torch.Tensor, y: torch.Tensor, norm: Any, eps: float) -> torch.Tensor:
+    """residual + y, or residual + native.rms_norm(y, norm, eps): what the `added_matmul` kernels compute."""
+    return residual + (y if norm is None else native.rms_norm(y, norm, eps))
+
+
 def exact_in(values: torch.Tensor, dtype: torch.dtype) -> bool:
     """Whether every value survives a round trip through `dtype` (finite and unrounded)."""
     return torch.equal(values.to(dtype).float(), values.float())
@@ -371,13 +376,14 @@ class Int8Weight:
             return native.int8_rows_normed(x, norm, eps, self.codes, self.scales)
         return self.matmul(native.rms_norm(x, norm, eps), runs)
 
-    def added_matmul(self, x: torch.Tensor, residual: torch.Tensor, runs: Runs = None) -> torch.Tensor:
-        """`residual + matmul(x)`, in one native call where `matmul` takes the row kernel: the same bits."""
+    def added_matmul(self, x: torch.Tensor, residual: torch.Tensor, runs: Runs = None, norm: Any = None, eps: float = 0.0) -> torch.Tensor:
+        """`residual + matmul(x)`, or `residual + native.rms_norm(matmul(x), norm, eps)`, in one native
+        call where `matmul` takes the row kernel: the same bits."""
         row_kernel = x.shape[0] == 1 or not native.int8_products_are_fast()
         takes = native.takes_int8_rows(self.codes) and native.has("int8_rows_added")
-        if row_kernel and takes and native.takes_residual(residual, x.shape[0], self.out_features):
-            return native.int8_rows_added(x, self.codes, self.scales, residual)
-        return residual + self.matmul(x, runs)
+        if row_kernel and takes and native.takes_residual(residual, x.shape[0], self.out_features, norm):
+            return native.int8_rows_added(x, self.codes, self.scales, residual, norm, eps)
+        return added(residual, self.matmul(x, runs), norm, eps)
 
     def _int8_rows(self, runs: list[torch.Tensor]) -> list[torch.Tensor]:
         # Prompt chunks: int8 x int8 products, faster than dequantizing for float32 BLAS

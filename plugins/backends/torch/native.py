@@ -176,8 +176,8 @@ SIGNATURES = {
     "int4_blocks_matmul": ("int4_blocks", (_ptr, _int, _i64, _i64, _ptr, _ptr, _ptr, _int, _i64, _ptr, _int, _int)),
     "int4_blocks_normed": ("int4_blocks", (_ptr, _int, _i64, _i64, _ptr, ctypes.c_float, _ptr, _ptr, _ptr, _int, _i64, _ptr, _int)),
     "int8_rows_matmul": ("int8_rows", (_ptr, _int, _i64, _i64, _ptr, _ptr, _i64, _ptr, _int)),
-    "int4_blocks_added": ("int4_blocks", (_ptr, _int, _i64, _i64, _ptr, _ptr, _ptr, _int, _i64, _ptr, _ptr, _int)),
-    "int8_rows_added": ("int8_rows", (_ptr, _int, _i64, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _int)),
+    "int4_blocks_added": ("int4_blocks", (_ptr, _int, _i64, _i64, _ptr, _ptr, _ptr, _int, _i64, _ptr, ctypes.c_float, _ptr, _ptr, _int)),
+    "int8_rows_added": ("int8_rows", (_ptr, _int, _i64, _i64, _ptr, _ptr, _i64, _ptr, ctypes.c_float, _ptr, _ptr, _int)),
     "int8_rows_normed": ("int8_rows", (_ptr, _int, _i64, _i64, _ptr, ctypes.c_float, _ptr, _ptr, _i64, _ptr, _int)),
     "int8_two_levels": ("int8_rows", (_ptr, _int, _i64, _i64, _ptr, _ptr, _int)),
     "int8_two_level_out": ("int8_rows", (_ptr, _ptr, _ptr, _i64, _i64, _ptr, _int)),
@@ -186,7 +186,7 @@ SIGNATURES = {
     "row_attention": ("row_attention", (ctypes.POINTER(RowAttentionArgs),)),
     "rope_heads": ("rope", (_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _i64, _int, _ptr, _ptr)),
 }
-RESTYPES = {"row_attention": ctypes.c_int, "int4_blocks_normed": ctypes.c_int, "int8_rows_normed": ctypes.c_int}
+RESTYPES = {name: ctypes.c_int for name in ("row_attention", "int4_blocks_normed", "int8_rows_normed", "int4_blocks_added", "int8_rows_added")}
 MAX_HEAD_GROUP = 16  # query heads per kv head the attention kernel takes
 
 
@@ -271,39 +271,48 @@ def int8_rows_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor)
     return out
 
 
-def takes_residual(residual: torch.Tensor, rows: int, out_features: int) -> bool:
-    """Whether the `*_added` kernels read this residual for an output [rows, out_features]."""
+def takes_residual(residual: torch.Tensor, rows: int, out_features: int, norm: torch.Tensor | None = None) -> bool:
+    """Whether the `*_added` kernels read this residual (and norm weight) for an output [rows, out_features]."""
     return (
         residual.dtype is torch.float32 and residual.device.type == "cpu" and residual.shape == (rows, out_features)
         and residual.is_contiguous()
+        and (norm is None or (norm.dtype is torch.float32 and norm.is_contiguous() and norm.numel() == out_features))
     )  # fmt: skip
 
 
 def int4_blocks_added(
-    x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, residual: torch.Tensor
+    x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, residual: torch.Tensor,
+    norm: torch.Tensor | None = None, eps: float = 0.0,
 ) -> torch.Tensor:
-    """residual + int4_blocks_matmul(x, ...) in one call (`takes_residual`), the same bits as the two."""
+    """residual + int4_blocks_matmul(x, ...), or residual + rms_norm(that product, norm, eps), in one
+    call (`takes_residual`), the same bits as the separate calls."""
     x = _floats(x)
     rows, cols = x.shape
     out = torch.empty((rows, codes.shape[0]), dtype=torch.float32)
-    if rows:
-        function("int4_blocks_added")(
-            x.data_ptr(), x.dtype is torch.bfloat16, rows, cols, codes.data_ptr(), scales.data_ptr(), mins.data_ptr(),
-            scales.dtype is torch.float16, codes.shape[0], residual.data_ptr(), out.data_ptr(), torch.get_num_threads(),
-        )  # fmt: skip
+    failed = rows and function("int4_blocks_added")(
+        x.data_ptr(), x.dtype is torch.bfloat16, rows, cols, codes.data_ptr(), scales.data_ptr(), mins.data_ptr(),
+        scales.dtype is torch.float16, codes.shape[0], None if norm is None else norm.data_ptr(), eps, residual.data_ptr(),
+        out.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    if failed:
+        raise MemoryError("native int4 kernel could not allocate its product")
     return out
 
 
-def int8_rows_added(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-    """residual + int8_rows_matmul(x, codes, scales) in one call (`takes_residual`), the same bits as the two."""
+def int8_rows_added(
+    x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, residual: torch.Tensor, norm: torch.Tensor | None = None, eps: float = 0.0
+) -> torch.Tensor:
+    """residual + int8_rows_matmul(x, codes, scales), or residual + rms_norm(that product, norm, eps),
+    in one call (`takes_residual`), the same bits as the separate calls."""
     x = _floats(x)
     rows, cols = x.shape
     out = torch.empty((rows, codes.shape[0]), dtype=torch.float32)
-    if rows:
-        function("int8_rows_added")(
-            x.data_ptr(), x.dtype is torch.bfloat16, rows, cols, codes.data_ptr(), scales.data_ptr(), codes.shape[0],
-            residual.data_ptr(), out.data_ptr(), torch.get_num_threads(),
-        )  # fmt: skip
+    failed = rows and function("int8_rows_added")(
+        x.data_ptr(), x.dtype is torch.bfloat16, rows, cols, codes.data_ptr(), scales.data_ptr(), codes.shape[0],
+        None if norm is None else norm.data_ptr(), eps, residual.data_ptr(), out.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    if failed:
+        raise MemoryError("native int8 kernel could not allocate its product")
     return out
 
 

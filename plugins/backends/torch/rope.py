@@ -35,8 +35,9 @@ class RopeRows:
 
     def rows(self, positions: torch.Tensor, view: Any = None) -> torch.Tensor:
         """The pairs of `positions` [n] as [n, 1, dims / 2, 2] float32."""
-        top = int(positions.max()) + 1 if positions.numel() else 0
-        if top > self.limit:
+        low, top = (int(v) for v in torch.aminmax(positions)) if positions.numel() else (-1, 0)
+        top += 1
+        if low < 0 or top > self.limit:  # past the table, or no rows, or turning back (a context shift's keys)
             return pairs_of(self._compute(positions, self.rope, view), self.rope.neox)
         long = uses_long_factors(self.rope, view)
         pairs = self._pairs.get(long)

@@ -151,13 +151,25 @@ int int8_rows_normed(const void *x, int x_bf16, int64_t M, int64_t K, const floa
     return 0;
 }
 
-/* residual + int8_rows_matmul(x, ...), float32 [M][N]: a linear whose output is added to the residual
- * stream, in one call. Each sum is the one torch's add computes (one rounded float addition). */
-void int8_rows_added(const void *x, int x_bf16, int64_t M, int64_t K, const int8_t *codes, const uint16_t *scales,
-                    int64_t N, const float *residual, float *y, int threads)
+/* residual + int8_rows_matmul(x, ...), float32 [M][N], or with `norm`, residual + rms_norm(the product) *
+ * norm (rms_norm.c; Gemma's post-norms): a linear whose output joins the residual stream, in one
+ * call. The same bits as the separate calls: each step is the same function, each sum the one torch's
+ * add computes (one rounded float addition). Returns -1 where memory runs out. */
+int int8_rows_added(const void *x, int x_bf16, int64_t M, int64_t K, const int8_t *codes, const uint16_t *scales,
+                    int64_t N, const float *norm, float eps, const float *residual, float *y, int threads)
 {
-    int8_rows_matmul(x, x_bf16, M, K, codes, scales, N, y, threads);
+    if (M <= 0)
+        return 0;
+    float *product = y;
+    if (norm && !(product = malloc((size_t)(M * N) * sizeof(float))))
+        return -1;
+    int8_rows_matmul(x, x_bf16, M, K, codes, scales, N, product, threads);
+    if (norm) {
+        rms_norm(product, 0, M, N, norm, eps, y, threads);
+        free(product);
+    }
 #pragma omp parallel for num_threads(threads) schedule(static) if (M * N >= 65536)
     for (int64_t i = 0; i < M * N; i++)
         y[i] = residual[i] + y[i];
+    return 0;
 }
