@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 from reference_models import SPECS_BY_NAME
 
+pytestmark = pytest.mark.peers  # every test here uses llama.cpp's sources: the fast subset does not even import this module
+
 GEMMA2 = SPECS_BY_NAME["gemma2"]
 
 

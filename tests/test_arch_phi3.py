@@ -10,6 +10,8 @@ from reference_models import SPECS_BY_NAME
 from corral.engine import load_model
 from corral.model import Batch
 
+pytestmark = pytest.mark.peers  # every test here uses llama.cpp's sources: the fast subset does not even import this module
+
 LONGROPE = SPECS_BY_NAME["phi3-longrope"]  # trained on 64 positions
 
 

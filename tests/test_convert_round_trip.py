@@ -31,6 +31,8 @@ from corral.modelfile.syntax import Modelfile
 from corral.plugins.backends.torch.dequantize import dequantize
 from corral.store import Store
 
+pytestmark = pytest.mark.real_model  # every test here uses a real model: the fast subset does not even import this module
+
 IDS = [1, 504, 3458, 314, 260, 1134, 30, 2, 17, 8821, 42, 999, 120, 7, 3001, 64]
 
 

@@ -32,6 +32,8 @@ from corral.modelfile.create import CreateModelError
 from corral.store import MODEL_MEDIA_TYPE, PROJECTOR_MEDIA_TYPE, Store
 from corral.vision import ImageRun
 
+pytestmark = pytest.mark.peers  # every test here uses llama.cpp's sources: the fast subset does not even import this module
+
 NAME = "made-vision:latest"
 # The prompt index of the image's first row in the drivers' prompt_ids: BOS and 4 text tokens, then Gemma 3's <start_of_image>.
 IMAGE_START = {"gemma3-vision": 6, "llava": 5}

@@ -13,6 +13,8 @@ import pytest
 import trio
 from test_embed_minilm import TEXTS, cosines, reference
 
+pytestmark = pytest.mark.peers  # every test here uses llama.cpp's sources: the fast subset does not even import this module
+
 MINILM = "all-minilm:latest"
 
 

@@ -18,6 +18,8 @@ from corral.store import MODEL_MEDIA_TYPE, Store
 from conftest import copy_store
 from tiny_gguf import write_tiny_llama
 
+pytestmark = pytest.mark.real_model  # every test here uses a real model: the fast subset does not even import this module
+
 
 COUNTING = "1, 2, 3, 4, 5,"  # a raw prompt that keeps generating until num_predict
 

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.real_model  # every test here uses a real model: the fast subset does not even import this module
+
 PROBE = Path(__file__).with_name("memory_probe.py")
 TOLERANCE = 0.15
 

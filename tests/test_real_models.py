@@ -7,6 +7,8 @@ import corral
 from conftest import reference_logits
 from corral.plugins.backends.torch import native as torch_native
 
+pytestmark = pytest.mark.real_model  # every test here uses a real model: the fast subset does not even import this module
+
 MODELS = ("smollm2", "gemma3")
 CLEAR_MARGIN = 1.0
 FP32_TOLERANCE = 1e-3  # of the largest reference logit's magnitude

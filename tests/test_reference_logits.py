@@ -14,6 +14,8 @@ from reference_models import pytest_params
 
 from corral.gguf import GGUFFile
 
+pytestmark = pytest.mark.peers  # every test here uses llama.cpp's sources: the fast subset does not even import this module
+
 FP32_TOLERANCE = 1e-4  # of the reference's largest |logit|
 # test_conformance.py holds "auto" to 3e-2 of the scale against itself; if every logit may be off by
 # that much, two logits further apart than twice it cannot swap, so the argmax must agree there.

@@ -14,6 +14,8 @@ from corral.modelfile.defaults import model_defaults
 from corral.store import Store
 from tiny_gguf import write_tiny_llama
 
+pytestmark = pytest.mark.real_model  # every test here uses a real model: the fast subset does not even import this module
+
 
 def sha256(data: bytes) -> str:
     return "sha256:" + hashlib.sha256(data).hexdigest()

@@ -14,6 +14,8 @@ import openai
 import pytest
 import trio
 
+pytestmark = pytest.mark.peers  # every test here uses llama.cpp's sources: the fast subset does not even import this module
+
 TEMPLATES = {"r1": "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja", "qwen3": "Qwen-Qwen3-0.6B.jinja"}
 ASK = [{"role": "user", "content": "Why is the sky blue?"}]
 OPTIONS = {"temperature": 1.0, "seed": 7, "num_predict": 8}  # greedy, a random model may only repeat a newline

@@ -8,7 +8,7 @@ import trio
 import test_tool_calls_server as shared
 from test_tool_calls_server import ASK, CITY, LLAMA_CALL, TIME, WEATHER
 
-pytestmark = pytest.mark.slow  # a server driven through LangChain: out of the fast subset (-m "not slow")
+pytestmark = [pytest.mark.slow, pytest.mark.peers]  # a server driven through LangChain, over llama.cpp's templates: out of the fast subset
 
 
 # The same fixtures: a store of tiny models with real templates, and a live server over a copy of it.

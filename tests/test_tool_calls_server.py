@@ -17,6 +17,8 @@ import openai
 import pytest
 import trio
 
+pytestmark = pytest.mark.peers  # every test here uses llama.cpp's sources: the fast subset does not even import this module
+
 CITY = {"type": "string", "description": "The city", "enum": ["Paris", "Rome", "Lima"]}  # described: Command-R+ prints it
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
            "parameters": {"type": "object", "properties": {"city": CITY}, "required": ["city"], "additionalProperties": False}}}

@@ -17,6 +17,8 @@ from corral.gguf import GGUFFile
 from corral.images import decode
 from corral.vision import ImageRun
 
+pytestmark = pytest.mark.peers  # every test here uses llama.cpp's sources: the fast subset does not even import this module
+
 FP32_TOLERANCE = 1e-4
 IMAGE_START = 6  # prompt index of the first image row in vision_driver.prompt_ids: BOS, 4 text, <start_of_image>
 

@@ -18,6 +18,8 @@ from corral.gguf import GGUFFile
 from corral.images import decode
 from corral.vision import ImageRun
 
+pytestmark = pytest.mark.peers  # every test here uses llama.cpp's sources: the fast subset does not even import this module
+
 FP32_TOLERANCE = 1e-4
 IMAGE_START = 5  # prompt index of the first image row in llava_driver.prompt_ids: BOS, 4 text
 

@@ -12,6 +12,8 @@ from corral.images import ImageError, decode
 from corral.runner.runtime import InvalidPromptError, Runtime
 from corral.vision import ImageRun, ProjectorError, image_runs
 
+pytestmark = pytest.mark.peers  # every test here uses llama.cpp's sources: the fast subset does not even import this module
+
 PROMPT = "what is in the picture?"
 
 

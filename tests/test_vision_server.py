@@ -25,6 +25,8 @@ from corral.modelfile import Modelfile, ModelSpec, create_model
 from corral.runner.runtime import Runtime
 from corral.store import PROJECTOR_MEDIA_TYPE, Store
 
+pytestmark = pytest.mark.peers  # every test here uses llama.cpp's sources: the fast subset does not even import this module
+
 VISION, TEXT = "tiny-vision:latest", "tiny-text:latest"
 NUM_CTX = 160  # the Modelfile's: the tiny LLaVA's prompt with an image and its answer fit (~120 cells)
 GREEDY = {"temperature": 0, "num_predict": 6}

@@ -15,6 +15,8 @@ import pytest
 import corral
 from corral.tokenizer import Tokenizer
 
+pytestmark = pytest.mark.peers  # every test here uses llama.cpp's sources: the fast subset does not even import this module
+
 SEPARATOR = "\n__ggml_vocab_test__\n"
 
 # The vocabularies that come with .inp/.out cases, and those that only have to load and tokenize.
