@@ -246,8 +246,8 @@ int int4_blocks_normed(const void *x, int x_bf16, int64_t M, int64_t K, const fl
 
 /* residual + int4_blocks_matmul(x, ...), float32 [M][N], or with `norm`, residual + rms_norm(the product) *
  * norm (rms_norm.c; Gemma's post-norms): a linear whose output joins the residual stream, in one
- * call. The same bits as the separate calls: each step is the same function, each sum the one torch's
- * add computes (one rounded float addition). Returns -1 where memory runs out. */
+ * call (join_residual, rms_norm.c). The same bits as the separate calls: each step is the same
+ * function. Returns -1 where memory runs out. */
 int int4_blocks_added(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *codes, const void *scales,
                       const void *mins, int half, int64_t N, const float *norm, float eps, const float *residual, float *y,
                       int threads)
@@ -258,12 +258,8 @@ int int4_blocks_added(const void *x, int x_bf16, int64_t M, int64_t K, const uin
     if (norm && !(product = malloc((size_t)(M * N) * sizeof(float))))
         return -1;
     int4_blocks_matmul(x, x_bf16, M, K, codes, scales, mins, half, N, product, 0, threads);
-    if (norm) {
-        rms_norm(product, 0, M, N, norm, eps, y, threads);
+    join_residual(product, norm, eps, residual, y, M, N, threads);
+    if (product != y)
         free(product);
-    }
-#pragma omp parallel for num_threads(threads) schedule(static) if (M * N >= 65536)
-    for (int64_t i = 0; i < M * N; i++)
-        y[i] = residual[i] + y[i];
     return 0;
 }

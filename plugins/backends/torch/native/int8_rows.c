@@ -153,8 +153,8 @@ int int8_rows_normed(const void *x, int x_bf16, int64_t M, int64_t K, const floa
 
 /* residual + int8_rows_matmul(x, ...), float32 [M][N], or with `norm`, residual + rms_norm(the product) *
  * norm (rms_norm.c; Gemma's post-norms): a linear whose output joins the residual stream, in one
- * call. The same bits as the separate calls: each step is the same function, each sum the one torch's
- * add computes (one rounded float addition). Returns -1 where memory runs out. */
+ * call (join_residual, rms_norm.c). The same bits as the separate calls: each step is the same
+ * function. Returns -1 where memory runs out. */
 int int8_rows_added(const void *x, int x_bf16, int64_t M, int64_t K, const int8_t *codes, const uint16_t *scales,
                     int64_t N, const float *norm, float eps, const float *residual, float *y, int threads)
 {
@@ -164,12 +164,8 @@ int int8_rows_added(const void *x, int x_bf16, int64_t M, int64_t K, const int8_
     if (norm && !(product = malloc((size_t)(M * N) * sizeof(float))))
         return -1;
     int8_rows_matmul(x, x_bf16, M, K, codes, scales, N, product, threads);
-    if (norm) {
-        rms_norm(product, 0, M, N, norm, eps, y, threads);
+    join_residual(product, norm, eps, residual, y, M, N, threads);
+    if (product != y)
         free(product);
-    }
-#pragma omp parallel for num_threads(threads) schedule(static) if (M * N >= 65536)
-    for (int64_t i = 0; i < M * N; i++)
-        y[i] = residual[i] + y[i];
     return 0;
 }

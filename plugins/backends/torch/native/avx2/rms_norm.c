@@ -27,3 +27,16 @@ void rms_norm(const void *x, int x_bf16, int64_t rows, int64_t dim, const float 
     for (int64_t r = 0; r < rows; r++)
         norm_row(x, x_bf16, r, dim, w, eps, y);
 }
+
+/* y = residual + product, or with `norm`, residual + rms_norm(product) * norm: a linear's output
+ * joining the residual stream (int4_blocks_added, int8_rows_added). Each sum is the one torch's add
+ * computes (one rounded float addition). product may be y when there is no norm. */
+__attribute__((unused)) static void join_residual(const float *product, const float *norm, float eps, const float *residual, float *y, int64_t M,
+                          int64_t N, int threads)
+{
+    if (norm)
+        rms_norm(product, 0, M, N, norm, eps, y, threads);
+#pragma omp parallel for num_threads(threads) schedule(static) if (M * N >= 65536)
+    for (int64_t i = 0; i < M * N; i++)
+        y[i] = residual[i] + y[i];
+}
