@@ -97,9 +97,11 @@ INLINE void group(const uint8_t *codes, const void *scales, const void *mins, in
     __m256 acc[ROW_TILE][16];
     for (int n = 0; n < 16; n++) {
         const uint8_t *wc = codes + n * (K / 2);
-        __m256 a[ROW_TILE];
+        /* even blocks sum in a, odd ones in b: one multiply-add a block per chain, not two after
+         * each other (at one row the chain's latency, not the arithmetic, set the pace) */
+        __m256 a[ROW_TILE], b[ROW_TILE];
         for (int t = 0; t < ROW_TILE; t++)
-            a[t] = _mm256_setzero_ps();
+            a[t] = b[t] = _mm256_setzero_ps();
         for (int64_t p = 0; p < K / 64; p++) {
             /* block 2p's 16 bytes, then block 2p + 1's: the low nibbles are a block's first 16 elements */
             __m256i w0 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(wc + 32 * p)));
@@ -115,11 +117,11 @@ INLINE void group(const uint8_t *codes, const void *scales, const void *mins, in
                 __m256i s1 = DOT16(_mm256_setzero_si256(), lo1, _mm256_loadu_si256((const __m256i *)(q + 16)));
                 s1 = DOT16(s1, hi1, _mm256_loadu_si256((const __m256i *)(q + 48)));
                 a[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), sv0, a[t]);
-                a[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), sv1, a[t]);
+                b[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), sv1, b[t]);
             }
         }
         for (int t = 0; t < rows; t++)
-            acc[t][n] = a[t];
+            acc[t][n] = _mm256_add_ps(a[t], b[t]);
     }
     store_rows(acc, mins, half, blocks, xs, xsums, rows, y, ldy);
 }
