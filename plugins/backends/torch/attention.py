@@ -118,6 +118,38 @@ def attention(
     return out.reshape(q.shape[0], -1)
 
 
+def bind_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Any, layer: int, scale: float,
+    memo: AttentionMemo | None = None, softcap: float | None = None, sinks: torch.Tensor | None = None,
+) -> Any:
+    """`attention` bound for a replayed plan (graph.Plan) where these arguments take the native
+    kernel's decode path: its output and arguments made once. Each call checks what a step may
+    change (the view's cache and cells) and takes `attention` itself where that path no longer
+    applies; None where it does not apply now."""
+    if softcap is not None or sinks is not None or memo is None or q.dtype is not torch.float32 or not q.is_contiguous():
+        return None
+    keys, values = cache.keys(layer), cache.values(layer)
+    if isinstance(keys, QuantizedCells) or not memo.takes_row_attention(q, keys, values):
+        return None
+    rows = q.shape[0]
+    if not memo.row_regions(cache.layer_groups(layer), cache.layer_slots(layer), rows)[1] or not (native.plain_heads(k) and native.plain_heads(v)):
+        return None
+    out, run = native.bind_row_attention(rows, q.shape[1], q.shape[2], values.shape[-1], scale, k.stride(0), v.stride(0))
+    flat = out.view(rows, -1)
+
+    def call(q, k, v, cache, layer, scale, memo, softcap, sinks):  # the node's own arguments
+        keys, values = cache.keys(layer), cache.values(layer)
+        if isinstance(keys, QuantizedCells) or not memo.takes_row_attention(q, keys, values):
+            return attention(q, k, v, cache, layer, scale, memo, softcap, sinks)
+        regions, decode_only = memo.row_regions(cache.layer_groups(layer), cache.layer_slots(layer), rows)
+        if not decode_only:
+            return attention(q, k, v, cache, layer, scale, memo, softcap, sinks)
+        run(q, keys, values, regions, k, v)
+        return flat
+
+    return call
+
+
 def _scored_attention(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, groups: list[Any], scale: float, softcap: float | None, sinks: Any
 ) -> torch.Tensor:

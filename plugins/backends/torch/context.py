@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import operator
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from corral.ml import Rope, Yarn
 from corral.model import Batch
 from corral.plugins.backends.torch import elementwise, native
-from corral.plugins.backends.torch.attention import AttentionMemo, attention
+from corral.plugins.backends.torch.attention import AttentionMemo, attention, bind_attention
 from corral.plugins.backends.torch.bidirectional import bidirectional_attention
 from corral.plugins.backends.torch.kv_cells import read_cells, write_cells
 from corral.plugins.backends.torch.fusion import fuse_gated_halves, fuse_gates, fuse_linears, fuse_norms, fuse_residuals, fuse_ropes, slice_lone_parts
@@ -25,6 +25,11 @@ if TYPE_CHECKING:
     from corral.plugins.backends.torch.backend import TorchBackend
 
 
+# Rows up to which a replayed graph's nodes keep their outputs from step to step (bound calls,
+# below): decode steps; a prompt chunk's outputs are large and better freed after their last reader.
+BOUND_ROWS = 16
+
+
 class TorchContext(Graph):
     """Records the ops of ml.Context as graph nodes; `compute()` runs them."""
 
@@ -34,6 +39,8 @@ class TorchContext(Graph):
         self.parallel = backend.parallel  # nn.py's split layers read it: None, or this rank of a tensor-parallel model
         self._rope_tables: dict[tuple, Node] = {}
         self._attention = AttentionMemo()
+        if backend.device.type == "cpu" and batch is not None and len(batch.inputs) <= BOUND_ROWS:
+            self.binders = BINDERS  # a replayed plan's native nodes become bound calls (graph.Plan)
 
     def optimize(self, output: Node) -> Node:
         (output,) = fuse_linears(self, (output,), _linear, self.backend.stacked_weight)
@@ -362,3 +369,96 @@ def _cached_keys(keys: Any, cells: torch.Tensor) -> torch.Tensor:
 def _store_keys(keys: Any, cells: torch.Tensor, new: torch.Tensor) -> Any:
     write_cells(keys, cells, new)
     return keys
+
+
+# --- bound calls (graph.Plan) ---------------------------------------------------------------
+# A replayed plan of few rows asks each node's binder, once, for a call that does the node's work
+# with its output and native arguments made once (native.BoundCall): the same kernels on the same
+# inputs, so the same bits. A binder returns None where its node would not take a native call.
+# Measured: BENCHMARKS.md, "Bound calls".
+
+
+def _bind_normed_linear(x: torch.Tensor, norm: torch.Tensor, eps: float, weight: Any, runs: Any) -> Callable | None:
+    bind = getattr(weight, "bind_normed", None)
+    run = bind(x, norm, eps) if bind is not None and x.device.type == "cpu" else None
+    return None if run is None else lambda x, norm, eps, weight, runs: run(x)
+
+
+def _bind_added_linear(x: torch.Tensor, weight: Any, residual: torch.Tensor, runs: Any, norm: Any, eps: float) -> Callable | None:
+    bind = getattr(weight, "bind_added", None)
+    run = bind(x, residual, norm, eps) if bind is not None else None
+    return None if run is None else lambda x, weight, residual, runs, norm, eps: run(x, residual)
+
+
+def _bind_gated_halves(y: torch.Tensor, width: int, activation: str) -> Callable | None:
+    if not (y.dtype == torch.float32 and y.device.type == "cpu" and y.dim() == 2 and y.stride(1) == 1):
+        return None
+    out, bound = native.bind_gated_halves(y, width, activation)
+    offset = 4 * width
+
+    def call(y: torch.Tensor, width: int, activation: str) -> torch.Tensor:
+        gate = y.data_ptr()
+        bound(gate, gate + offset)
+        return out
+
+    return call
+
+
+def _rope_reads(x: torch.Tensor, pairs: torch.Tensor, dims: int) -> bool:
+    """Whether native.rope_heads reads x (float32, unit column stride) and the pairs as they are."""
+    return (
+        x.dtype is torch.float32 and x.device.type == "cpu" and x.stride(-1) == 1 and pairs.dtype is torch.float32
+        and pairs.is_contiguous() and pairs.shape[0] == x.shape[0] and pairs.shape[-2] * 2 == dims
+    )  # fmt: skip
+
+
+def _bind_rope_columns(
+    y: torch.Tensor, start: int, heads: int, split: int, dim: int, pairs: torch.Tensor, dims: int, neox: bool
+) -> Callable | None:
+    if y.dim() != 2 or not _rope_reads(y, pairs, dims):
+        return None
+    outs, bound = native.bind_rope_heads(y.shape[0], y.stride(0), heads, split, dim, dims, neox)
+    offset = 4 * start
+
+    def call(y: torch.Tensor, start: int, heads: int, split: int, dim: int, pairs: torch.Tensor, dims: int, neox: bool) -> tuple:
+        bound(y.data_ptr() + offset, pairs.data_ptr())
+        return outs
+
+    return call
+
+
+def _bind_native_rope(x: torch.Tensor, pairs: torch.Tensor, dims: int, neox: bool) -> Callable | None:
+    if x.dim() != 3 or x.stride(1) != x.shape[2] or not _rope_reads(x, pairs, dims):
+        return None
+    (out, _), bound = native.bind_rope_heads(x.shape[0], x.stride(0), x.shape[1], x.shape[1], x.shape[2], dims, neox)
+
+    def call(x: torch.Tensor, pairs: torch.Tensor, dims: int, neox: bool) -> torch.Tensor:
+        bound(x.data_ptr(), pairs.data_ptr())
+        return out
+
+    return call
+
+
+def _bind_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> Callable | None:
+    if not (x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and x.is_contiguous() and x.numel()):
+        return None
+    if weight.numel() != x.shape[-1]:
+        return None
+    out, bound = native.bind_rms_norm(x, weight, eps)
+
+    def call(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        bound(x.data_ptr())
+        return out
+
+    return call
+
+
+BINDERS: dict[Callable, Callable] = {
+    _normed_linear: _bind_normed_linear,
+    _added_linear: _bind_added_linear,
+    _gated_halves: _bind_gated_halves,
+    _rope_columns: _bind_rope_columns,
+    _native_rope: _bind_native_rope,
+    native.rms_norm: _bind_rms_norm,
+    attention: bind_attention,
+}

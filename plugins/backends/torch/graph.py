@@ -56,7 +56,11 @@ class Slot:
 
 
 class Graph:
-    """Nodes in recording order; `compute()` runs them eagerly under inference mode."""
+    """Nodes in recording order; `compute()` runs them eagerly under inference mode.
+
+    `binders`: node function -> its binder (a backend's; see Plan), none by default."""
+
+    binders: dict[Callable, Callable] = {}
 
     def __init__(self, batch: Any = None, view: Any = None):
         self.nodes: list[tuple[Callable, tuple]] = []
@@ -93,18 +97,26 @@ class Graph:
     def compute(self, *outputs: Node) -> list[torch.Tensor]:
         key = tuple(out.index for out in outputs)
         if self._plan is None or not self._plan.fits(self.nodes, key):
-            self._plan = Plan(self.nodes, key)
+            self._plan = Plan(self.nodes, key, self.binders)
         with torch.inference_mode():
             return self._plan.run(self.bindings)
 
 
 class Plan:
     """How to run a node list for some outputs: which values each node is the last reader of, and,
-    once the same plan runs a second time, the node list compiled into one Python function."""
+    once the same plan runs a second time, the node list compiled into one Python function.
 
-    def __init__(self, nodes: list[tuple[Callable, tuple]], outputs: tuple[int, ...]):
+    With `binders` (node function -> binder), that second run also binds: each node whose function
+    has a binder is offered its arguments of this run, and the call the binder returns (None: the
+    node stays as it is) takes the node's place from then on. A bound call computes what its
+    function does, into an output it reuses at every run, so none may reach the plan's outputs:
+    a node whose output does is given back its function."""
+
+    def __init__(self, nodes: list[tuple[Callable, tuple]], outputs: tuple[int, ...], binders: dict[Callable, Callable] | None = None):
         self.nodes, self.size, self.outputs = nodes, len(nodes), outputs
         self.releases = _releases(nodes, outputs)
+        self.binders = binders or {}
+        self._bound_nodes = nodes  # the node list it compiles: with the bound calls in place, once bound
         self.runs = 0
         self._compiled: Callable | None = None
 
@@ -115,7 +127,11 @@ class Plan:
     def run(self, bound: dict[str, Any]) -> list[Any]:
         self.runs += 1
         if self._compiled is None and self.runs > 1:
-            self._compiled = _compile(self.nodes, self.outputs, self.releases)
+            nodes, results = self._bind(bound) if self.binders else (self.nodes, None)
+            self._bound_nodes = nodes
+            self._compiled = _compile(nodes, self.outputs, self.releases)
+            if results is not None:
+                return results
         if self._compiled is not None:
             return self._compiled(bound)
         values: list[Any] = [None] * len(self.nodes)
@@ -124,6 +140,45 @@ class Plan:
             for done in self.releases[i]:
                 values[done] = None  # its last reader has run: free it now, not at the end of the graph
         return [values[out] for out in self.outputs]
+
+
+    def _bind(self, bound: dict[str, Any]) -> tuple[list[tuple[Callable, tuple]], list[Any]]:
+        """Run the nodes, binding those whose binder returns a call; the node list with the bound
+        calls in place, and this run's outputs."""
+        nodes = list(self.nodes)
+        values: list[Any] = [None] * len(nodes)
+        owners: dict[int, int] = {}  # storage address of a bound call's output -> its node
+        for i, (fn, args) in enumerate(self.nodes):
+            resolved = [values[a.index] if type(a) is Node else bound[a.name] if type(a) is Slot else a for a in args]
+            binder = self.binders.get(fn) if _hashable(fn) else None
+            call = binder(*resolved) if binder is not None and i not in self.outputs else None
+            if call is not None:
+                nodes[i] = (call, args)
+            values[i] = (call or fn)(*resolved)
+            if call is not None:
+                owners.update((address, i) for address in _storages(values[i]))
+        for out in self.outputs:  # an output must be the run's own, never a buffer the next run overwrites
+            for address in _storages(values[out]):
+                if address in owners:
+                    nodes[owners[address]] = self.nodes[owners[address]]
+        return nodes, [values[out] for out in self.outputs]
+
+
+def _hashable(fn: Any) -> bool:
+    try:
+        hash(fn)
+    except TypeError:
+        return False
+    return True
+
+
+def _storages(value: Any) -> list[int]:
+    """The storage addresses of the tensors in value (a tensor, or a tuple or list of them)."""
+    if isinstance(value, torch.Tensor):
+        return [value.untyped_storage().data_ptr()]
+    if isinstance(value, (tuple, list)):
+        return [address for item in value for address in _storages(item)]
+    return []
 
 
 def _releases(nodes: list[tuple[Callable, tuple]], outputs: tuple[int, ...]) -> list[list[int]]:

@@ -25,7 +25,7 @@ whatever else is in the batch (batch invariance, see the package docstring):
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import attrs
 import torch
@@ -204,6 +204,33 @@ class Int4Blocks:
         if not (native.has("int4_blocks_added") and native.takes_residual(residual, x.shape[0], self.out_features, norm)):
             return added(residual, self.matmul(x, runs), norm, eps)
         return native.int4_blocks_added(x, self.codes, self.scales, self.mins, residual, norm, eps)
+
+    def bind_normed(self, x: torch.Tensor, norm: torch.Tensor, eps: float) -> Callable | None:
+        """`normed_matmul` of rows like x as `call(x)`, for a replayed plan (graph.Plan, native.BoundCall)."""
+        if not (native.has("int4_blocks_normed") and native.plain_rows(x) and norm.numel() == x.shape[1]):
+            return None
+        out, bound = native.bind_int4_blocks(x, self.codes, self.scales, norm, eps)
+
+        def call(x: torch.Tensor) -> torch.Tensor:
+            if bound(x.data_ptr(), self.codes.data_ptr(), self.scales.data_ptr(), self.mins.data_ptr()):
+                raise MemoryError("native int4 kernel could not allocate its normed rows")
+            return out
+
+        return call
+
+    def bind_added(self, x: torch.Tensor, residual: torch.Tensor, norm: Any = None, eps: float = 0.0) -> Callable | None:
+        """`added_matmul` of rows like x as `call(x, residual)`, for a replayed plan (graph.Plan)."""
+        rows = x.shape[0]
+        if not (native.has("int4_blocks_added") and native.plain_rows(x) and native.takes_residual(residual, rows, self.out_features, norm)):
+            return None
+        out, bound = native.bind_int4_blocks(x, self.codes, self.scales, norm, eps, added=True)
+
+        def call(x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+            if bound(x.data_ptr(), self.codes.data_ptr(), self.scales.data_ptr(), self.mins.data_ptr(), residual.data_ptr()):
+                raise MemoryError("native int4 kernel could not allocate its product")
+            return out
+
+        return call
 
     def coarse(self, x: torch.Tensor) -> torch.Tensor:
         """Products with int8 activations (a scale per 32): faster, for ranking candidates."""
@@ -384,6 +411,37 @@ class Int8Weight:
         if row_kernel and takes and native.takes_residual(residual, x.shape[0], self.out_features, norm):
             return native.int8_rows_added(x, self.codes, self.scales, residual, norm, eps)
         return added(residual, self.matmul(x, runs), norm, eps)
+
+    def bind_normed(self, x: torch.Tensor, norm: torch.Tensor, eps: float) -> Callable | None:
+        """`normed_matmul` of rows like x as `call(x)` where it takes one native call, for a replayed plan (graph.Plan)."""
+        row_kernel = x.shape[0] == 1 or not native.int8_products_are_fast()
+        takes = native.takes_int8_rows(self.codes) and native.has("int8_rows_normed")
+        if not (row_kernel and takes and native.plain_rows(x) and norm.numel() == x.shape[1]):
+            return None
+        out, bound = native.bind_int8_rows(x, self.codes, norm, eps)
+
+        def call(x: torch.Tensor) -> torch.Tensor:
+            if bound(x.data_ptr(), self.codes.data_ptr(), self.scales.data_ptr()):
+                raise MemoryError("native int8 kernel could not allocate its normed rows")
+            return out
+
+        return call
+
+    def bind_added(self, x: torch.Tensor, residual: torch.Tensor, norm: Any = None, eps: float = 0.0) -> Callable | None:
+        """`added_matmul` of rows like x as `call(x, residual)` where it takes one native call (graph.Plan)."""
+        rows = x.shape[0]
+        row_kernel = rows == 1 or not native.int8_products_are_fast()
+        takes = native.takes_int8_rows(self.codes) and native.has("int8_rows_added")
+        if not (row_kernel and takes and native.plain_rows(x) and native.takes_residual(residual, rows, self.out_features, norm)):
+            return None
+        out, bound = native.bind_int8_rows(x, self.codes, norm, eps, added=True)
+
+        def call(x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+            if bound(x.data_ptr(), self.codes.data_ptr(), self.scales.data_ptr(), residual.data_ptr()):
+                raise MemoryError("native int8 kernel could not allocate its product")
+            return out
+
+        return call
 
     def _int8_rows(self, runs: list[torch.Tensor]) -> list[torch.Tensor]:
         # Prompt chunks: int8 x int8 products, faster than dequantizing for float32 BLAS

@@ -206,6 +206,47 @@ def has(name: str) -> bool:
     return function(name) is not None
 
 
+PER_CALL = object()  # a BoundCall argument given at each call (an address)
+THREADS = object()  # a BoundCall argument read at each call: torch's thread count (set_threads may change it)
+
+
+class BoundCall:
+    """A native function called at every step of a replayed plan with the same sizes (graph.Plan).
+
+    `function(name)(...)` converts each of a dozen arguments at every call, and its wrapper above
+    checks and allocates: ~20 us of Python a node, as much as the kernels of a small model's decode
+    step (measured: BENCHMARKS.md, "Bound calls"). Here the constant arguments (sizes, flags, an
+    output allocated once) are converted once; the addresses marked PER_CALL are given at each
+    call, so a weight whose storage moves (stacking) or an input made anew each step is read where
+    it is now."""
+
+    __slots__ = ("raw", "args", "per_call", "threads")
+
+    def __init__(self, name: str, template: tuple):
+        source, argtypes = SIGNATURES[name]
+        library = load(source)
+        if library is None:
+            raise RuntimeError(f"native kernel {name} is not built here")
+        self.raw = library[name]  # a handle of its own, without argtypes to check at each call
+        self.raw.restype = RESTYPES.get(name)
+        self.args = [kind() if a is PER_CALL or a is THREADS else kind(a) for kind, a in zip(argtypes, template, strict=True)]
+        self.per_call = [i for i, a in enumerate(template) if a is PER_CALL]
+        self.threads = self.args[template.index(THREADS)] if any(a is THREADS for a in template) else None
+
+    def __call__(self, *addresses: int) -> Any:
+        args = self.args
+        for i, address in zip(self.per_call, addresses):
+            args[i].value = address
+        if self.threads is not None:
+            self.threads.value = torch.get_num_threads()
+        return self.raw(*args)
+
+
+def plain_rows(x: torch.Tensor, dtypes: tuple = (torch.float32, torch.bfloat16)) -> bool:
+    """Whether the kernels read x [rows, cols] as it is (`_floats` would hand it on unchanged)."""
+    return x.device.type == "cpu" and x.dim() == 2 and x.dtype in dtypes and x.is_contiguous()
+
+
 def _floats(x: torch.Tensor) -> torch.Tensor:
     """x as contiguous float32 or bf16 (the dtypes the kernels read)."""
     if x.dtype is not torch.float32 and x.dtype is not torch.bfloat16:
@@ -349,6 +390,67 @@ def int8_prompt_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tenso
     return out
 
 
+# Bound forms of the wrappers above, for graph.Plan (BoundCall): each takes the rows its plan will
+# pass (`plain_rows`) and returns the output it fills at every call and the call, whose PER_CALL
+# addresses are, in order, those named in its docstring. Weights' addresses are per call (stacking
+# moves a weight's storage); a norm weight's is constant (never stacked, held by the graph).
+
+
+def bind_int4_blocks(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, norm: torch.Tensor | None = None, eps: float = 0.0, added: bool = False) -> tuple[torch.Tensor, BoundCall]:
+    """int4_blocks_normed (`norm`, not `added`), or int4_blocks_added (with the post-norm `norm` if
+    any): addresses x, codes, scales, mins, then the residual where `added`."""
+    rows, cols = x.shape
+    out = torch.empty((rows, codes.shape[0]), dtype=torch.float32)
+    bf16, half, n = x.dtype is torch.bfloat16, scales.dtype is torch.float16, codes.shape[0]
+    norm_address = None if norm is None else norm.data_ptr()
+    if added:
+        template = (PER_CALL, bf16, rows, cols, PER_CALL, PER_CALL, PER_CALL, half, n, norm_address, eps, PER_CALL, out.data_ptr(), THREADS)
+        return out, BoundCall("int4_blocks_added", template)
+    template = (PER_CALL, bf16, rows, cols, norm_address, eps, PER_CALL, PER_CALL, PER_CALL, half, n, out.data_ptr(), THREADS)
+    return out, BoundCall("int4_blocks_normed", template)
+
+
+def bind_int8_rows(x: torch.Tensor, codes: torch.Tensor, norm: torch.Tensor | None = None, eps: float = 0.0, added: bool = False) -> tuple[torch.Tensor, BoundCall]:
+    """int8_rows_normed (`norm`, not `added`), or int8_rows_added (with the post-norm `norm` if any):
+    addresses x, codes, scales, then the residual where `added`."""
+    rows, cols = x.shape
+    out = torch.empty((rows, codes.shape[0]), dtype=torch.float32)
+    bf16, n = x.dtype is torch.bfloat16, codes.shape[0]
+    norm_address = None if norm is None else norm.data_ptr()
+    if added:
+        template = (PER_CALL, bf16, rows, cols, PER_CALL, PER_CALL, n, norm_address, eps, PER_CALL, out.data_ptr(), THREADS)
+        return out, BoundCall("int8_rows_added", template)
+    template = (PER_CALL, bf16, rows, cols, norm_address, eps, PER_CALL, PER_CALL, n, out.data_ptr(), THREADS)
+    return out, BoundCall("int8_rows_normed", template)
+
+
+def bind_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, BoundCall]:
+    """rms_norm of rows like x (contiguous, float32 or bf16): address x."""
+    out = torch.empty(x.shape, dtype=torch.float32)
+    dim = x.shape[-1]
+    template = (PER_CALL, x.dtype is torch.bfloat16, x.numel() // dim, dim, weight.data_ptr(), eps, out.data_ptr(), THREADS)
+    return out, BoundCall("rms_norm", template)
+
+
+def bind_gated_halves(y: torch.Tensor, width: int, activation: str) -> tuple[torch.Tensor, BoundCall]:
+    """gated_halves of rows like y: addresses gate and up (y's start, and 4 * width bytes on)."""
+    rows = y.shape[0]
+    out = torch.empty((rows, width), dtype=torch.float32)
+    template = (PER_CALL, y.stride(0), PER_CALL, y.stride(0), rows, width, GATES[activation], out.data_ptr(), THREADS)
+    return out, BoundCall("gated", template)
+
+
+def bind_rope_heads(
+    rows: int, x_stride: int, heads: int, split: int, head_dim: int, dims: int, neox: bool
+) -> tuple[tuple[torch.Tensor, torch.Tensor], BoundCall]:
+    """rope_heads over float32 rows of unit column stride and row stride `x_stride`: addresses x
+    (its first head's column) and the (cos, sin) pairs [rows, 1, dims / 2, 2] float32 contiguous."""
+    q = torch.empty((rows, split, head_dim), dtype=torch.float32)
+    k = torch.empty((rows, heads - split, head_dim), dtype=torch.float32)
+    template = (PER_CALL, rows, x_stride, heads, split, head_dim, PER_CALL, dims, neox, q.data_ptr(), k.data_ptr())
+    return (q, k), BoundCall("rope_heads", template)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """F.rms_norm over the last dimension of x (float32 or bf16) with a float32 weight -> float32."""
     x = _floats(x)
@@ -475,6 +577,39 @@ def row_attention(
     if failed:
         raise MemoryError("native attention could not allocate its scores")
     return out
+
+
+def plain_heads(x: torch.Tensor) -> bool:
+    """Whether `row_attention` reads x [rows, heads, dim] as it is: float32 with contiguous heads."""
+    return x.dtype is torch.float32 and x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
+
+
+def bind_row_attention(
+    rows: int, heads: int, key_dim: int, value_dim: int, scale: float, key_stride: int, value_stride: int
+) -> tuple[torch.Tensor, Any]:
+    """`row_attention` of decode rows storing their new keys and values (`new`), for graph.Plan:
+    the output and the arguments' struct made once. Returns the output and `call(q, keys, values,
+    regions, k, v)` for q [rows, heads, key_dim] float32 contiguous and k, v of `plain_heads` with
+    these row strides."""
+    out = torch.empty((rows, heads, value_dim), dtype=torch.float32)
+    args = RowAttentionArgs(
+        rows=rows, heads=heads, key_dim=key_dim, value_dim=value_dim, key_stride=key_stride, value_stride=value_stride,
+        scale=scale, out=out.data_ptr(),
+    )  # fmt: skip
+    raw = load("row_attention")["row_attention"]
+    raw.restype = ctypes.c_int
+    pointer, step = ctypes.byref(args), rows * 8
+
+    def call(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, regions: Regions, k: torch.Tensor, v: torch.Tensor) -> None:
+        args.q, args.keys, args.values = q.data_ptr(), keys.data_ptr(), values.data_ptr()
+        args.kv_heads, args.cells, args.bf16 = keys.shape[0], keys.shape[1], keys.dtype is torch.bfloat16
+        address = regions.address
+        args.starts, args.used, args.masks, args.dest = address, address + step, address + 2 * step, address + 3 * step
+        args.new_keys, args.new_values, args.threads = k.data_ptr(), v.data_ptr(), torch.get_num_threads()
+        if raw(pointer):
+            raise MemoryError("native attention could not allocate its scores")
+
+    return out, call
 
 
 def rope_heads(
