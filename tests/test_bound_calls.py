@@ -5,6 +5,7 @@ never hand out a buffer that a later run overwrites."""
 from __future__ import annotations
 
 import collections
+import operator
 
 import gguf
 import numpy as np
@@ -17,7 +18,7 @@ from corral.kvcache import CausalCache
 from corral.model import Batch
 from corral.plugins.backends.torch import TorchBackend
 from corral.plugins.backends.torch import context as torch_context, native as torch_native
-from corral.plugins.backends.torch.graph import Node, Plan, Slot
+from corral.plugins.backends.torch.graph import VIEW, Node, Plan, Slot
 from corral.plugins.backends.torch.layouts import Int4Blocks
 from corral.registry import Plugins
 
@@ -43,8 +44,19 @@ def bind_double(x: torch.Tensor):
     return lambda x: torch.mul(x, 2, out=out)
 
 
-def plan_of(*nodes: tuple, outputs: tuple[int, ...]) -> Plan:
-    return Plan(list(nodes), outputs, {double: bind_double})
+def bind_double_repeating(x: torch.Tensor):
+    out = torch.empty_like(x)
+
+    def call(x: torch.Tensor) -> torch.Tensor:
+        return torch.mul(x, 2, out=out)
+
+    call.repeats = True
+    return call
+
+
+def plan_of(*nodes: tuple, outputs: tuple[int, ...], repeating: bool = False) -> Plan:
+    binders = {double: bind_double_repeating if repeating else bind_double, torch.reshape: VIEW, operator.getitem: VIEW}
+    return Plan(list(nodes), outputs, binders)
 
 
 def test_a_plan_binds_from_its_second_run_and_gives_the_same_values():
@@ -64,6 +76,33 @@ def test_a_plan_never_binds_an_output_nor_a_node_whose_output_reaches_one():
         assert torch.equal(doubled_twice, torch.full((3,), 4.0 * i))
         assert torch.equal(viewed, torch.full((3, 1), 2.0 * i))
     assert [fn for fn, _ in plan._bound_nodes] == [double, double, torch.reshape]
+
+
+def test_views_of_a_repeating_bound_output_are_made_once_and_follow_its_values():
+    x = Node(None, 0)
+    plan = plan_of(
+        (double, (Slot("x"),)),
+        (torch.reshape, (x, (2, 2))),  # a view: made once
+        (operator.getitem, (Node(None, 1), 1)),  # a view of a view: made once
+        (operator.getitem, (x, torch.tensor([3, 0]))),  # gathers: a copy of its own, made at every run
+        (torch.add, (Node(None, 2), 0.0)),
+        (torch.add, (Node(None, 3), 0.0)),
+        outputs=(4, 5),
+        repeating=True,
+    )
+    for i in range(4):
+        row, gathered = plan.run({"x": torch.arange(4.0) + i})
+        assert torch.equal(row, 2 * (torch.arange(2.0, 4.0) + i)) and torch.equal(gathered, 2 * (torch.tensor([3.0, 0.0]) + i))
+    kinds = [type(fn).__name__ for fn, _ in plan._bound_nodes]
+    assert kinds[1] == kinds[2] == "_Repeated" and plan._bound_nodes[3][0] is operator.getitem
+
+
+def test_a_view_reaching_an_output_gives_its_bound_source_back_its_function():
+    plan = plan_of((double, (Slot("x"),)), (torch.reshape, (Node(None, 0), (2, 2))), (operator.getitem, (Node(None, 1), 0)), outputs=(2,), repeating=True)
+    results = [plan.run({"x": torch.arange(4.0) + i})[0] for i in range(4)]
+    for i, got in enumerate(results):
+        assert torch.equal(got, 2 * (torch.arange(2.0) + i))
+    assert [fn for fn, _ in plan._bound_nodes][:2] == [double, torch.reshape]
 
 
 def test_a_binder_that_declines_leaves_its_node_as_it_is():

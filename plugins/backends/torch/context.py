@@ -16,8 +16,8 @@ from corral.plugins.backends.torch import elementwise, native
 from corral.plugins.backends.torch.attention import AttentionMemo, attention, bind_attention
 from corral.plugins.backends.torch.bidirectional import bidirectional_attention
 from corral.plugins.backends.torch.kv_cells import read_cells, write_cells
-from corral.plugins.backends.torch.fusion import fuse_gated_halves, fuse_gates, fuse_linears, fuse_norms, fuse_residuals, fuse_ropes, slice_lone_parts
-from corral.plugins.backends.torch.graph import Graph, Node, Slot
+from corral.plugins.backends.torch.fusion import VIEW_FUNCTIONS, fuse_gated_halves, fuse_gates, fuse_linears, fuse_norms, fuse_residuals, fuse_ropes, slice_lone_parts
+from corral.plugins.backends.torch.graph import VIEW, Graph, Node, Slot
 from corral.plugins.backends.torch.layouts import MappedRows
 from corral.plugins.backends.torch.rope import RopeRows
 
@@ -378,16 +378,22 @@ def _store_keys(keys: Any, cells: torch.Tensor, new: torch.Tensor) -> Any:
 # Measured: BENCHMARKS.md, "Bound calls".
 
 
+def _repeating(call: Callable) -> Callable:
+    """Mark a bound call that returns the same output object at every call (graph.Plan's VIEW nodes over it repeat too)."""
+    call.repeats = True
+    return call
+
+
 def _bind_normed_linear(x: torch.Tensor, norm: torch.Tensor, eps: float, weight: Any, runs: Any) -> Callable | None:
     bind = getattr(weight, "bind_normed", None)
-    run = bind(x, norm, eps) if bind is not None and x.device.type == "cpu" else None
-    return None if run is None else lambda x, norm, eps, weight, runs: run(x)
+    run = bind(x, norm, eps) if bind is not None else None
+    return None if run is None else _repeating(lambda x, norm, eps, weight, runs: run(x))
 
 
 def _bind_added_linear(x: torch.Tensor, weight: Any, residual: torch.Tensor, runs: Any, norm: Any, eps: float) -> Callable | None:
     bind = getattr(weight, "bind_added", None)
     run = bind(x, residual, norm, eps) if bind is not None else None
-    return None if run is None else lambda x, weight, residual, runs, norm, eps: run(x, residual)
+    return None if run is None else _repeating(lambda x, weight, residual, runs, norm, eps: run(x, residual))
 
 
 def _bind_gated_halves(y: torch.Tensor, width: int, activation: str) -> Callable | None:
@@ -401,7 +407,7 @@ def _bind_gated_halves(y: torch.Tensor, width: int, activation: str) -> Callable
         bound(gate, gate + offset)
         return out
 
-    return call
+    return _repeating(call)
 
 
 def _rope_reads(x: torch.Tensor, pairs: torch.Tensor, dims: int) -> bool:
@@ -424,7 +430,7 @@ def _bind_rope_columns(
         bound(y.data_ptr() + offset, pairs.data_ptr())
         return outs
 
-    return call
+    return _repeating(call)
 
 
 def _bind_native_rope(x: torch.Tensor, pairs: torch.Tensor, dims: int, neox: bool) -> Callable | None:
@@ -436,7 +442,7 @@ def _bind_native_rope(x: torch.Tensor, pairs: torch.Tensor, dims: int, neox: boo
         bound(x.data_ptr(), pairs.data_ptr())
         return out
 
-    return call
+    return _repeating(call)
 
 
 def _bind_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> Callable | None:
@@ -450,7 +456,7 @@ def _bind_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> Callabl
         bound(x.data_ptr())
         return out
 
-    return call
+    return _repeating(call)
 
 
 BINDERS: dict[Callable, Callable] = {
@@ -460,5 +466,6 @@ BINDERS: dict[Callable, Callable] = {
     _rope_columns: _bind_rope_columns,
     _native_rope: _bind_native_rope,
     native.rms_norm: _bind_rms_norm,
-    attention: bind_attention,
+    attention: bind_attention,  # not `repeats`: a step it does not take returns attention's own output
+    **{fn: VIEW for fn in (torch.reshape, operator.getitem, *VIEW_FUNCTIONS)},
 }

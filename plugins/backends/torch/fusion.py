@@ -309,6 +309,10 @@ def _columns(y: torch.Tensor, start: int, end: int) -> torch.Tensor:
     return y[..., start:end]
 
 
+# The rewrites' nodes that only view their input (graph.Plan binds them as VIEW).
+VIEW_FUNCTIONS = (_split_columns, _columns)
+
+
 def fuse_norms(graph: Graph, outputs: tuple[Node, ...], norm: Callable, linear: Callable, normed: Callable) -> tuple[Node, ...]:
     """Rewrite `graph` so that linear(norm(x, w, eps), weight, None, runs), the norm read by nothing
     else and the weight one with a `normed_matmul`, is normed(x, w, eps, weight, runs): one kernel

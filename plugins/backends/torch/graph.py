@@ -10,6 +10,8 @@ A graph's first run interprets its node list; from its second run on, it runs as
 straight-line Python function (`Plan`): one call per node with its arguments in local variables,
 each value dropped after its last reader: less Python a node than interpreting the list, which
 counts at a decode step's hundreds of nodes (measured: BENCHMARKS.md, Measurements behind code decisions).
+A backend may also give a graph binders (Plan): its second run then puts bound calls, which keep
+their outputs and prepared arguments from run to run, in place of the nodes that take them.
 """
 
 from __future__ import annotations
@@ -144,24 +146,58 @@ class Plan:
 
     def _bind(self, bound: dict[str, Any]) -> tuple[list[tuple[Callable, tuple]], list[Any]]:
         """Run the nodes, binding those whose binder returns a call; the node list with the bound
-        calls in place, and this run's outputs."""
+        calls in place, and this run's outputs.
+
+        A bound call marked `repeats` returns the same object at every run; a node whose binder is
+        VIEW (a view of its arguments) whose node arguments all repeat then repeats too, and is
+        computed this once."""
         nodes = list(self.nodes)
         values: list[Any] = [None] * len(nodes)
-        owners: dict[int, int] = {}  # storage address of a bound call's output -> its node
+        owners: dict[int, list[int]] = collections.defaultdict(list)  # a bound call's output storage -> nodes giving it
+        repeats: set[int] = set()
         for i, (fn, args) in enumerate(self.nodes):
             resolved = [values[a.index] if type(a) is Node else bound[a.name] if type(a) is Slot else a for a in args]
-            binder = self.binders.get(fn) if _hashable(fn) else None
-            call = binder(*resolved) if binder is not None and i not in self.outputs else None
+            binder = self.binders.get(fn) if _hashable(fn) and i not in self.outputs else None
+            if binder is VIEW:
+                values[i] = fn(*resolved)
+                sources = [a.index for a in args if type(a) is Node]
+                repeated = sources and all(j in repeats for j in sources) and not any(type(a) is Slot for a in args)
+                # a view indeed: nothing of its own (reshape copies what it cannot view; an index tensor gathers)
+                if repeated and set(_storages(values[i])) <= {address for j in sources for address in _storages(values[j])}:
+                    nodes[i] = (_Repeated(values[i]), ())
+                    repeats.add(i)
+                    for address in _storages(values[i]):
+                        owners[address].append(i)
+                continue
+            call = binder(*resolved) if binder is not None else None
             if call is not None:
                 nodes[i] = (call, args)
             values[i] = (call or fn)(*resolved)
             if call is not None:
-                owners.update((address, i) for address in _storages(values[i]))
+                for address in _storages(values[i]):
+                    owners[address].append(i)
+                if getattr(call, "repeats", False):
+                    repeats.add(i)
         for out in self.outputs:  # an output must be the run's own, never a buffer the next run overwrites
             for address in _storages(values[out]):
-                if address in owners:
-                    nodes[owners[address]] = self.nodes[owners[address]]
+                for j in owners.get(address, ()):
+                    nodes[j] = self.nodes[j]
         return nodes, [values[out] for out in self.outputs]
+
+
+VIEW = object()  # Plan binders' mark of a function whose value is a view of its arguments
+
+
+class _Repeated:
+    """A node's value computed once (Plan._bind): the same object at every run."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any):
+        self.value = value
+
+    def __call__(self) -> Any:
+        return self.value
 
 
 def _hashable(fn: Any) -> bool:
