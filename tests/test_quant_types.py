@@ -43,6 +43,12 @@ def files(request, tmp_path_factory) -> tuple[Q, str, str]:
     return qtype, path, write_dequantized_copy(path, folder / "f32.gguf")
 
 
+@pytest.fixture(scope="module")
+def expected_logits(files) -> np.ndarray:
+    """The float32 reference's logits of TOKENS: computed once per type, for both logits tests."""
+    return corral.load_model(files[2], precision="fp32").logits(TOKENS)
+
+
 def test_each_role_loads_into_a_compact_layout(files):
     qtype, path, _ = files
     gguf_file, backend = GGUFFile.open(path), TorchBackend(device="cpu")
@@ -60,18 +66,14 @@ def test_each_role_loads_into_a_compact_layout(files):
     assert type(logits) is RescoredLogits and logits.nbytes <= embedding.shape[0] * (embedding.shape[1] + 2)
 
 
-def test_fp32_logits_equal_those_of_the_dequantized_reference(files):
-    _, path, reference = files
-    got = corral.load_model(path, precision="fp32").logits(TOKENS)
-    expected = corral.load_model(reference, precision="fp32").logits(TOKENS)
+def test_fp32_logits_equal_those_of_the_dequantized_reference(files, expected_logits):
+    got, expected = corral.load_model(files[1], precision="fp32").logits(TOKENS), expected_logits
     assert np.isfinite(expected).all() and np.abs(expected).max() > 0.1
     assert np.array_equal(got, expected)
 
 
-def test_default_precision_logits_are_close_to_the_reference(files):
-    _, path, reference = files
-    got = corral.load_model(path).logits(TOKENS)
-    expected = corral.load_model(reference, precision="fp32").logits(TOKENS)
+def test_default_precision_logits_are_close_to_the_reference(files, expected_logits):
+    got, expected = corral.load_model(files[1]).logits(TOKENS), expected_logits
     np.testing.assert_allclose(got, expected, rtol=0, atol=AUTO_TOLERANCE * np.abs(expected).max())
 
 
