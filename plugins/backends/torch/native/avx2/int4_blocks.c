@@ -103,6 +103,7 @@ INLINE void group(const uint8_t *codes, const void *scales, const void *mins, in
         for (int t = 0; t < ROW_TILE; t++)
             a[t] = b[t] = _mm256_setzero_ps();
         for (int64_t p = 0; p < K / 64; p++) {
+            _mm_prefetch((const char *)(wc + 32 * p) + PREFETCH_BYTES, _MM_HINT_T0);
             /* block 2p's 16 bytes, then block 2p + 1's: the low nibbles are a block's first 16 elements */
             __m256i w0 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(wc + 32 * p)));
             __m256i w1 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(wc + 32 * p + 16)));
@@ -172,6 +173,7 @@ INLINE void coarse_group(const uint8_t *codes, const void *scales, const void *m
         for (int t = 0; t < ROW_TILE; t++)
             a[t] = _mm256_setzero_ps();
         for (int64_t p = 0; 128 * p < K; p++) {
+            _mm_prefetch((const char *)(wc + 64 * p) + PREFETCH_BYTES, _MM_HINT_T0);
             const int count = K - 128 * p >= 128 ? 4 : 2;
             /* blocks 4p and 4p + 1 (lanes 0-3 and 4-7 of the sums), then 4p + 2 and 4p + 3 unless this is a tail chunk */
             __m256i w0 = _mm256_loadu_si256((const __m256i *)(wc + 64 * p));

@@ -66,6 +66,7 @@ INLINE void octet(const int8_t *codes, const uint16_t *scales, int64_t K, const 
             for (int t = 0; t < ROW_TILE; t++)
                 dots_lo[t] = dots_hi[t] = _mm256_setzero_si256();
             for (int64_t k = k0; k < k1; k += 32) {
+                _mm_prefetch((const char *)(w + k) + PREFETCH_BYTES, _MM_HINT_T0);
                 const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + k)));
                 const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + k + 16)));
                 for (int t = 0; t < rows; t++) {

@@ -26,6 +26,10 @@
     case 3: CALL(3); break;                                                                                           \
     default: CALL(4); break;                                                                                          \
     }
+/* How far ahead of its reads a matmul kernel asks for its weight rows (software prefetch): the
+ * rows stream from memory once a token, and at one activation row the hardware prefetcher alone
+ * left 10-20% of the bandwidth unused (measured: BENCHMARKS.md, "Bound calls"). */
+#define PREFETCH_BYTES 2048
 /* Activation rows from which the kernels quantize them on all threads. */
 #define PARALLEL_QUANTIZE_ROWS 32
 
