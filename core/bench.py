@@ -57,7 +57,10 @@ def run_bench(name: str, prompt_tokens: int = 512, gen_tokens: int = 128, precis
     rss_after_load = current_rss_mb()
 
     ids = prompt_ids(model, prompt_tokens)
-    model.forward(Batch.single(ids[:8]), model.new_cache(16))  # warm up kernels and allocator
+    # Warm up as llama-bench does before it measures (its warm-up runs the test's whole prompt): the
+    # first prompt of a size pays one-time costs (page faults on new buffers, kernels' first calls)
+    # that no later request pays; 15-25% of a 512-token prefill here (BENCHMARKS.md, issue 19).
+    model.forward(Batch.single(ids), model.new_cache(prompt_tokens))
 
     cache = model.new_cache(prompt_tokens + gen_tokens)
     start = time.perf_counter()
