@@ -34,14 +34,40 @@ struct row_attention_args {
 #define MAX_GROUP 16 /* query heads per kv head */
 #define VALUE_TILE 4 /* 16-float chunks of a value row accumulated in registers at a time */
 
-/* scores[g][j] = scale * q_g . key_j for the region's cells, -inf where masked */
+#define KEY_TILE 4 /* keys whose products share each load of the query heads' values */
+
+/* scores[g][j] = scale * q_g . key_j for the region's cells, -inf where masked. Each partial[g][j]
+ * sums the same products in the same order whatever the tiling: KEY_TILE keys at a time when the
+ * group is small enough for their accumulators to stay in registers, one at a time otherwise. */
 INLINE void scores_of(const float *q, int group, int64_t key_dim, const void *keys, int bf16, int64_t used,
                       const uint8_t *mask, float scale, float *scores)
 {
     __m512 partial[MAX_GROUP][16];
     for (int64_t j0 = 0; j0 < used; j0 += 16) {
         int count = used - j0 < 16 ? (int)(used - j0) : 16;
-        for (int j = 0; j < 16; j++) {
+        int j = 0;
+        if (group <= 4) {
+            for (; j + KEY_TILE <= count; j += KEY_TILE) {
+                __m512 t[4][KEY_TILE];
+                for (int g = 0; g < group; g++)
+                    for (int i = 0; i < KEY_TILE; i++)
+                        t[g][i] = _mm512_setzero_ps();
+                for (int64_t c = 0; c < key_dim; c += 16) {
+                    __m512 qc[4];
+                    for (int g = 0; g < group; g++)
+                        qc[g] = _mm512_loadu_ps(q + g * key_dim + c);
+                    for (int i = 0; i < KEY_TILE; i++) {
+                        __m512 k = load16_all(keys, bf16, (j0 + j + i) * key_dim + c);
+                        for (int g = 0; g < group; g++)
+                            t[g][i] = _mm512_fmadd_ps(qc[g], k, t[g][i]);
+                    }
+                }
+                for (int g = 0; g < group; g++)
+                    for (int i = 0; i < KEY_TILE; i++)
+                        partial[g][j + i] = t[g][i];
+            }
+        }
+        for (; j < 16; j++) {
             for (int g = 0; g < group; g++)
                 partial[g][j] = _mm512_setzero_ps();
             if (j >= count)
