@@ -100,7 +100,8 @@ async def in_browser(browser, url: str, script, screenshot: str | None = None):
 def pick(page, model: str) -> None:
     page.wait_for_selector(f'#model option[value="{model}"]', state="attached")
     page.select_option("#model", model)
-    page.wait_for_function("name => document.querySelector('#model').value === name", arg=model)
+    # until the page has applied this model's capabilities (an earlier pick's may still be showing)
+    page.wait_for_function("name => document.querySelector('#model').dataset.shown === name", arg=model)
 
 
 def ask(page, text: str) -> None:

@@ -65,6 +65,7 @@ async function selectModel(name) {
   state.settings.model = name;
   saveState();
   capabilities = [];
+  delete $("model").dataset.shown;
   const response = await fetch("api/show", { method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify({ model: name }) });
   const shown = response.ok ? (await response.json()).capabilities || [] : [];
   if (mine !== selecting) return; // the user (or the first listing) picked another model meanwhile
@@ -74,6 +75,7 @@ async function selectModel(name) {
   $("think-toggle").hidden = !capabilities.includes("thinking");
   $("send").disabled = !chats || running !== null;
   setStatus(chats ? "" : `${name} cannot chat (${capabilities.join(", ") || "unknown capabilities"})`, !chats);
+  $("model").dataset.shown = name; // the controls now follow this model's capabilities
 }
 
 // --- settings -------------------------------------------------------------------------------------
