@@ -195,7 +195,8 @@ async def test_conversation_survives_a_reload_renders_markdown_and_model_markup_
              "settings": {"model": TINY_LLAMA, "system": "Be brief.", "temperature": 0.3}}
 
     def script(page):
-        page.wait_for_function("!document.querySelector('#send').disabled")  # the page has saved its own state by now
+        # the page has shown its first model, and saved its own state with it, by now
+        page.wait_for_function("document.querySelector('#model').dataset.shown !== undefined")
         page.evaluate("saved => localStorage.setItem('corral.chat', JSON.stringify(saved))", saved)
         page.reload()
         page.wait_for_selector("article.assistant")
