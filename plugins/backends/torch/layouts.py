@@ -160,10 +160,29 @@ class Int4Blocks:
 
     @staticmethod
     def pack(codes: torch.Tensor) -> torch.Tensor:
-        """Codes [out, in] -> bytes [out, in // 2]: per 32, elements j and 16 + j share byte j."""
+        """Codes [out, in] -> bytes [out, in // 2] in the order this CPU's kernel reads (native/int4_blocks.c).
+
+        AVX2: per block of 32, elements j and 16 + j share byte j (ggml's order). AVX-512: per chunk
+        of 4 blocks, a first half of elements 0-7 of each block with 16-23 in the high nibbles, then
+        a second half of 8-15 with 24-31 (a 2-block tail chunk likewise)."""
         rows, cols = codes.shape
-        halves = codes.view(rows, cols // 32, 2, 16)
-        return (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(rows, cols // 2)
+        if native.variant() != "avx512":
+            halves = codes.view(rows, cols // 32, 2, 16)
+            return (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(rows, cols // 2)
+        whole = cols // 128 * 128
+        parts = [Int4Blocks._chunk(codes[:, :whole], 4)] if whole else []
+        if cols > whole:  # a 64-element tail: a chunk of 2 blocks
+            parts.append(Int4Blocks._chunk(codes[:, whole:], 2))
+        return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+
+    @staticmethod
+    def _chunk(codes: torch.Tensor, blocks: int) -> torch.Tensor:
+        """Codes [out, 32 * blocks * chunks] -> bytes [out, 16 * blocks * chunks], chunks of `blocks` blocks."""
+        rows, cols = codes.shape
+        b = codes.reshape(rows, cols // (32 * blocks), blocks, 32)
+        first = (b[..., 0:8] | (b[..., 16:24] << 4)).reshape(rows, -1, 8 * blocks)
+        second = (b[..., 8:16] | (b[..., 24:32] << 4)).reshape(rows, -1, 8 * blocks)
+        return torch.cat((first, second), dim=2).reshape(rows, cols // 2)
 
     @staticmethod
     def group(mins: torch.Tensor) -> torch.Tensor:

@@ -10,8 +10,13 @@
  * sequence of operations whatever the number of rows: results never depend on the batch.
  *
  * Weights: w[n][k] = scale[n][b] * q + min[n][b], b = k / 32, q in 0..15 (Q4_0, Q4_1, Q4_K map
- * onto it exactly). Codes [N][K / 2]: byte j of block b holds element 32b + j in its low nibble
- * and element 32b + 16 + j in its high nibble (ggml's order). Scales: [N][K / 32]. Mins:
+ * onto it exactly). Codes [N][K / 2] in chunks of 4 blocks (128 weights, 64 bytes; a last chunk of 2
+ * blocks where K % 128 == 64, 32 bytes): the chunk's first half holds elements 0-7 of each of its
+ * blocks in turn in the low nibbles and elements 16-23 in the high ones, its second half elements 8-15
+ * and 24-31 (layouts.Int4Blocks.pack; the AVX2 kernels read ggml's order instead). Unpacked, each
+ * half gives two vectors of 32 int16 whose int32 lanes 4j..4j+3 all belong to block j, so that one
+ * conversion and one multiply by the blocks' scales serve 128 products, with no shuffle (10-12%
+ * faster than 2 blocks a vector: BENCHMARKS.md, "On the Zen 4 machine"). Scales: [N][K / 32]. Mins:
  * [N / 16][K / 32][16], each group of 16 rows transposed so one vector load serves the group. Both
  * float16 where they are exact in it (Q4_0, Q4_1: a sixth fewer bytes to read), else float32.
  * Requires K % 64 == 0 and N % 16 == 0.
@@ -23,26 +28,28 @@
 #include "rms_norm.c" /* rms_norm: int4_blocks_normed norms its rows first with the same code */
 
 
-/* One activation row -> int16 codes laid out like the unpacked weights (per 64 elements: the
- * first 16 of each block of 32, then the last 16 of each), the row's scale, and each block's sum
- * of the unquantized values (for the mins). */
+/* Bytes of a coarse activation row: whole chunks of 128, a 64-element tail padded with zeros. */
+INLINE int64_t chunked(int64_t K) { return (K + 127) / 128 * 128; }
+
+/* One activation row -> int16 codes laid out like the unpacked weights (per chunk of B blocks, 4 or
+ * a tail's 2: elements 0-7 of each of its blocks, then 8-15, 16-23 and 24-31 of each; K codes in
+ * all), the row's scale, and each block's sum of the unquantized values (for the mins). */
 static void quantize_row(const void *x, int bf16, int64_t row, int64_t K, int16_t *codes, float *scale, float *sums)
 {
     const int64_t base = row * K;
     float inverse;
     *scale = int16_scale(x, bf16, base, K, &inverse);
     const __m512 inv = _mm512_set1_ps(inverse);
-    for (int64_t p = 0; p < K / 64; p++) {
-        const int64_t at = base + 64 * p;
-        __m512 a0 = load16_all(x, bf16, at), a1 = load16_all(x, bf16, at + 16);
-        __m512 b0 = load16_all(x, bf16, at + 32), b1 = load16_all(x, bf16, at + 48);
-        sums[2 * p] = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
-        sums[2 * p + 1] = _mm512_reduce_add_ps(_mm512_add_ps(b0, b1));
-        int16_t *c = codes + 64 * p;
-        _mm256_storeu_si256((__m256i *)c, codes16(x, bf16, at, inv));
-        _mm256_storeu_si256((__m256i *)(c + 16), codes16(x, bf16, at + 32, inv));
-        _mm256_storeu_si256((__m256i *)(c + 32), codes16(x, bf16, at + 16, inv));
-        _mm256_storeu_si256((__m256i *)(c + 48), codes16(x, bf16, at + 48, inv));
+    for (int64_t b = 0; b < K / 32; b++) {
+        const int64_t at = base + 32 * b;
+        sums[b] = _mm512_reduce_add_ps(_mm512_add_ps(load16_all(x, bf16, at), load16_all(x, bf16, at + 16)));
+        const __m256i first = codes16(x, bf16, at, inv), last = codes16(x, bf16, at + 16, inv);
+        const int64_t part = K - 128 * (b / 4) >= 128 ? 32 : 16; /* 8 elements of each of the chunk's blocks */
+        int16_t *c = codes + 128 * (b / 4) + 8 * (b % 4);
+        _mm_storeu_si128((__m128i *)c, _mm256_castsi256_si128(first));
+        _mm_storeu_si128((__m128i *)(c + part), _mm256_extracti128_si256(first, 1));
+        _mm_storeu_si128((__m128i *)(c + 2 * part), _mm256_castsi256_si128(last));
+        _mm_storeu_si128((__m128i *)(c + 3 * part), _mm256_extracti128_si256(last, 1));
     }
 }
 
@@ -76,61 +83,6 @@ INLINE void store_rows(__m512 acc[][16], const void *mins, int half, int64_t blo
     }
 }
 
-/* 16 output rows (a group) times up to ROW_TILE activation rows. Scales and mins are float16
- * when `half` (a constant in each inlined copy), else float32. */
-INLINE void group(const uint8_t *codes, const void *scales, const void *mins, int half, int64_t K, const int16_t *xq,
-                  const float *xs, const float *xsums, int rows, float *y, int64_t ldy)
-{
-    const __m512i low = _mm512_set1_epi16(0x0F);
-    const __m512i pick = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-    const int64_t blocks = K / 32;
-    __m512 acc[ROW_TILE][16];
-    for (int n = 0; n < 16; n++) {
-        const uint8_t *wc = codes + n * (K / 2);
-        __m512 a[ROW_TILE];
-        for (int t = 0; t < ROW_TILE; t++)
-            a[t] = _mm512_setzero_ps();
-        for (int64_t p = 0; p < K / 64; p++) {
-            __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(wc + 32 * p)));
-            __m512i lo = _mm512_and_si512(w, low), hi = _mm512_srli_epi16(w, 4);
-            /* lanes 0-7 hold block 2p's sums, lanes 8-15 block 2p+1's */
-            __m512 sv = _mm512_permutexvar_ps(pick, _mm512_castps128_ps512(scale_pair(scales, half, n * blocks + 2 * p)));
-            for (int t = 0; t < rows; t++) {
-                const int16_t *q = xq + t * K + 64 * p;
-                __m512i s = DOT16(_mm512_setzero_si512(), lo, _mm512_loadu_si512(q));
-                s = DOT16(s, hi, _mm512_loadu_si512(q + 32));
-                a[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), sv, a[t]);
-            }
-        }
-        for (int t = 0; t < rows; t++)
-            acc[t][n] = a[t];
-    }
-    store_rows(acc, mins, half, blocks, xs, xsums, rows, y, ldy);
-}
-
-/* The coarse mode: one activation row -> int8 codes with a scale per block of 32 (as ggml's
- * Q8_0), 128 elements a chunk laid out like the chunk's unpacked weights (the first 16 of each of
- * its 4 blocks, then the last 16 of each; a 64-element tail chunk fills half of each part and
- * zeros the rest), and each chunk's block scales spread over 16 lanes as its sums will lie. */
-static void quantize_row8(const void *x, int bf16, int64_t row, int64_t K, int8_t *codes, float *spread, float *sums)
-{
-    const int64_t base = row * K;
-    memset(codes, 0, (size_t)((K + 127) / 128 * 128));
-    memset(spread, 0, (size_t)((K + 127) / 128 * 16) * sizeof(float));
-    for (int64_t b = 0; b < K / 32; b++) {
-        const int64_t at = base + 32 * b;
-        __m512 first = load16_all(x, bf16, at), last = load16_all(x, bf16, at + 16);
-        const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(first), _mm512_abs_ps(last)));
-        const __m512 inv = _mm512_set1_ps(top > 0.0f ? 127.0f / top : 0.0f);
-        sums[b] = _mm512_reduce_add_ps(_mm512_add_ps(first, last));
-        for (int j = 0; j < 4; j++)
-            spread[16 * (b / 4) + 4 * (b % 4) + j] = top / 127.0f;
-        int8_t *c = codes + 128 * (b / 4) + 16 * (b % 4);
-        _mm_storeu_si128((__m128i *)c, _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(first, inv))));
-        _mm_storeu_si128((__m128i *)(c + 64), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(last, inv))));
-    }
-}
-
 /* Blocks b .. b + count - 1's scales (count 2 or 4) as floats in lanes 0..count - 1, the rest 0. */
 INLINE __m128 scale_quad(const void *scales, int half, int64_t b, int count)
 {
@@ -141,6 +93,109 @@ INLINE __m128 scale_quad(const void *scales, int half, int64_t b, int count)
     return _mm_loadu_ps((const float *)scales + b);
 }
 
+/* A chunk's two halves (64 bytes, or a 2-block tail's 32) as 64 bytes: the second half at byte 32. */
+INLINE __m512i chunk_bytes(const uint8_t *c, int count)
+{
+    if (count == 4)
+        return _mm512_loadu_si512(c);
+    return _mm512_inserti32x4(_mm512_zextsi128_si512(_mm_loadu_si128((const __m128i *)c)), _mm_loadu_si128((const __m128i *)(c + 16)), 2);
+}
+
+/* One 4-block chunk p of a weight row times up to ROW_TILE activation rows, into their accumulators. */
+INLINE void chunk_step(const uint8_t *wc, const void *scales, int half, int64_t p, const int16_t *xq, int64_t stride,
+                       int rows, __m512 *a)
+{
+    const __m512i low = _mm512_set1_epi16(0x0F);
+    const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    const __m512i first = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(wc + 64 * p)));
+    const __m512i second = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(wc + 64 * p + 32)));
+    /* elements 0-7, 8-15, 16-23 and 24-31 of each block: lanes 4j..4j+3 hold block 4p+j's sums */
+    const __m512i w0 = _mm512_and_si512(first, low), w1 = _mm512_and_si512(second, low);
+    const __m512i w2 = _mm512_srli_epi16(first, 4), w3 = _mm512_srli_epi16(second, 4);
+    const __m512 sv = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(scale_quad(scales, half, 4 * p, 4)));
+    for (int t = 0; t < rows; t++) {
+        const int16_t *q = xq + t * stride + 128 * p;
+        __m512i s = DOT16(_mm512_setzero_si512(), w0, _mm512_loadu_si512(q));
+        s = DOT16(s, w1, _mm512_loadu_si512(q + 32));
+        s = DOT16(s, w2, _mm512_loadu_si512(q + 64));
+        s = DOT16(s, w3, _mm512_loadu_si512(q + 96));
+        a[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), sv, a[t]);
+    }
+}
+
+/* The 2-block tail chunk p (32 bytes: its halves of 16): one vector of low and one of high nibbles,
+ * lanes 0-3 and 8-11 block 4p's, lanes 4-7 and 12-15 block 4p+1's. */
+INLINE void tail_step(const uint8_t *wc, const void *scales, int half, int64_t p, const int16_t *xq, int64_t stride,
+                      int rows, __m512 *a)
+{
+    const __m512i low = _mm512_set1_epi16(0x0F);
+    const __m512i spread = _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0);
+    const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(wc + 64 * p)));
+    const __m512i lo = _mm512_and_si512(w, low), hi = _mm512_srli_epi16(w, 4);
+    const __m512 sv = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(scale_pair(scales, half, 4 * p)));
+    for (int t = 0; t < rows; t++) {
+        const int16_t *q = xq + t * stride + 128 * p;
+        __m512i s = DOT16(_mm512_setzero_si512(), lo, _mm512_loadu_si512(q));
+        s = DOT16(s, hi, _mm512_loadu_si512(q + 32));
+        a[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), sv, a[t]);
+    }
+}
+
+/* 16 output rows (a group) times up to ROW_TILE activation rows. Scales and mins are float16
+ * when `half` (a constant in each inlined copy), else float32. */
+INLINE void group(const uint8_t *codes, const void *scales, const void *mins, int half, int64_t K, const int16_t *xq,
+                  int64_t stride, const float *xs, const float *xsums, int rows, float *y, int64_t ldy)
+{
+    const int64_t blocks = K / 32;
+    const size_t width = half ? 2 : 4;
+    __m512 acc[ROW_TILE][16];
+    for (int n = 0; n < 16; n++) {
+        const uint8_t *wc = codes + n * (K / 2);
+        const void *ws = (const char *)scales + n * blocks * width;
+        __m512 a[ROW_TILE];
+        for (int t = 0; t < ROW_TILE; t++)
+            a[t] = _mm512_setzero_ps();
+        int64_t p = 0;
+        for (; p < K / 128; p++)
+            chunk_step(wc, ws, half, p, xq, stride, rows, a);
+        if (K % 128)
+            tail_step(wc, ws, half, p, xq, stride, rows, a);
+        for (int t = 0; t < rows; t++)
+            acc[t][n] = a[t];
+    }
+    store_rows(acc, mins, half, blocks, xs, xsums, rows, y, ldy);
+}
+
+/* The coarse mode: one activation row -> int8 codes with a scale per block of 32 (as ggml's
+ * Q8_0), 128 elements a chunk laid out like the chunk's unpacked bytes (low nibbles: elements 0-7 of
+ * each of its 4 blocks, then 8-15; high nibbles: 16-23, then 24-31; a tail chunk zeros its blocks
+ * 2 and 3), and each chunk's block scales spread over 16 lanes as its sums will lie (SUM_BLOCK). */
+static const int SUM_BLOCK[16] = {0, 0, 1, 1, 2, 2, 3, 3, 0, 0, 1, 1, 2, 2, 3, 3}; /* a 4-byte lane's block */
+
+static void quantize_row8(const void *x, int bf16, int64_t row, int64_t K, int8_t *codes, float *spread, float *sums)
+{
+    const int64_t base = row * K;
+    memset(codes, 0, (size_t)chunked(K));
+    memset(spread, 0, (size_t)(chunked(K) / 8) * sizeof(float));
+    for (int64_t b = 0; b < K / 32; b++) {
+        const int64_t at = base + 32 * b;
+        __m512 first = load16_all(x, bf16, at), last = load16_all(x, bf16, at + 16);
+        const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(first), _mm512_abs_ps(last)));
+        const __m512 inv = _mm512_set1_ps(top > 0.0f ? 127.0f / top : 0.0f);
+        sums[b] = _mm512_reduce_add_ps(_mm512_add_ps(first, last));
+        for (int l = 0; l < 16; l++)
+            if (SUM_BLOCK[l] == b % 4)
+                spread[16 * (b / 4) + l] = top / 127.0f;
+        const __m128i lo = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(first, inv)));
+        const __m128i hi = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(last, inv)));
+        int8_t *c = codes + 128 * (b / 4) + 8 * (b % 4);
+        _mm_storel_epi64((__m128i *)c, lo);
+        _mm_storel_epi64((__m128i *)(c + 32), _mm_unpackhi_epi64(lo, lo));
+        _mm_storel_epi64((__m128i *)(c + 64), hi);
+        _mm_storel_epi64((__m128i *)(c + 96), _mm_unpackhi_epi64(hi, hi));
+    }
+}
+
 /* `group` in the coarse mode: u8 weights times s8 activations (vpdpbusd), 128 products of a row
  * in two instructions where `group` needs four: for ranking candidates, not for exact outputs. */
 INLINE void coarse_group(const uint8_t *codes, const void *scales, const void *mins, int half, int64_t K,
@@ -148,7 +203,7 @@ INLINE void coarse_group(const uint8_t *codes, const void *scales, const void *m
                          float *y, int64_t ldy)
 {
     const __m512i low = _mm512_set1_epi8(0x0F);
-    const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    const __m512i spread = _mm512_set_epi32(3, 3, 2, 2, 1, 1, 0, 0, 3, 3, 2, 2, 1, 1, 0, 0); /* SUM_BLOCK */
     const int64_t blocks = K / 32;
     __m512 acc[ROW_TILE][16];
     for (int n = 0; n < 16; n++) {
@@ -158,9 +213,9 @@ INLINE void coarse_group(const uint8_t *codes, const void *scales, const void *m
             a[t] = _mm512_setzero_ps();
         for (int64_t p = 0; 128 * p < K; p++) {
             const int count = K - 128 * p >= 128 ? 4 : 2;
-            __m512i w = _mm512_maskz_loadu_epi8(count == 4 ? ~0ULL : 0xFFFFFFFFULL, wc + 64 * p);
+            __m512i w = chunk_bytes(wc + 64 * p, count);
             __m512i lo = _mm512_and_si512(w, low), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low);
-            /* lanes 4j..4j+3 hold block 4p+j's sums */
+            /* lane l holds block 4p + SUM_BLOCK[l]'s sums */
             __m512 sv = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(scale_quad(scales, half, n * blocks + 4 * p, count)));
             for (int t = 0; t < rows; t++) {
                 const int8_t *q = xq + t * stride + 128 * p;
@@ -186,7 +241,7 @@ void int4_blocks_matmul(const void *x, int x_bf16, int64_t M, int64_t K, const u
     if (M <= 0)
         return;
     const size_t width = half ? 2 : 4;
-    const int64_t stride = coarse ? (K + 127) / 128 * 128 : K; /* bytes of a coarse row, elements of an int16 row */
+    const int64_t stride = coarse ? chunked(K) : K; /* bytes of a coarse row, elements of an int16 row */
     void *xq = aligned_alloc(64, (size_t)(M * stride * (coarse ? 1 : 2) + 63) / 64 * 64);
     float *xs = malloc((size_t)M * (coarse ? stride / 8 : 1) * sizeof(float)); /* coarse: 16 lanes a chunk */
     float *xsums = malloc((size_t)(M * (K / 32)) * sizeof(float));
@@ -195,7 +250,7 @@ void int4_blocks_matmul(const void *x, int x_bf16, int64_t M, int64_t K, const u
         if (coarse)
             quantize_row8(x, x_bf16, m, K, (int8_t *)xq + m * stride, xs + m * (stride / 8), xsums + m * (K / 32));
         else
-            quantize_row(x, x_bf16, m, K, (int16_t *)xq + m * K, xs + m, xsums + m * (K / 32));
+            quantize_row(x, x_bf16, m, K, (int16_t *)xq + m * stride, xs + m, xsums + m * (K / 32));
     }
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t g = 0; g < N / 16; g++) {
@@ -203,7 +258,7 @@ void int4_blocks_matmul(const void *x, int x_bf16, int64_t M, int64_t K, const u
         const char *s = (const char *)scales + 16 * g * (K / 32) * width, *mn = (const char *)mins + 16 * g * (K / 32) * width;
         for (int64_t m = 0; m < M; m += ROW_TILE) {
             const int rows = M - m < ROW_TILE ? (int)(M - m) : ROW_TILE;
-            const int16_t *q = (const int16_t *)xq + m * K;
+            const int16_t *q = (const int16_t *)xq + m * stride;
             const int8_t *q8 = (const int8_t *)xq + m * stride;
             const float *qs = xs + m * (coarse ? stride / 8 : 1), *qsums = xsums + m * (K / 32);
             float *out = y + m * N + 16 * g;
@@ -215,9 +270,9 @@ void int4_blocks_matmul(const void *x, int x_bf16, int64_t M, int64_t K, const u
         else if (coarse)                                                                                              \
             coarse_group(c, s, mn, 0, K, q8, stride, qs, qsums, R, out, N);                                           \
         else if (half)                                                                                                \
-            group(c, s, mn, 1, K, q, qs, qsums, R, out, N);                                                           \
+            group(c, s, mn, 1, K, q, stride, qs, qsums, R, out, N);                                                   \
         else                                                                                                          \
-            group(c, s, mn, 0, K, q, qs, qsums, R, out, N);                                                           \
+            group(c, s, mn, 0, K, q, stride, qs, qsums, R, out, N);                                                   \
     } while (0)
             FOR_ROW_COUNT(rows, GROUP);
 #undef GROUP
