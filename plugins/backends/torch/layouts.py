@@ -135,8 +135,8 @@ def _exact_rows(source: Any, runs: list[torch.Tensor]) -> list[torch.Tensor]:
 
 @attrs.frozen
 class Int4Blocks:
-    """A linear weight kept 4-bit for the native kernel (native/int4_blocks.c): codes in ggml's
-    nibble order, a scale and min per group of 32 (float16 where exact, else float32), int16
+    """A linear weight kept 4-bit for the native kernel (native/int4_blocks.c): codes in the order
+    that kernel reads (`pack`), a scale and min per group of 32 (float16 where exact, else float32), int16
     activations, float32 out. Every row, prompt or decode, goes through the kernel: it computes
     each row alone, and at 512 rows it is faster than float32 BLAS on the dequantized weight, even
     before BLAS's dequantization (measured: BENCHMARKS.md, Measurements behind code decisions)."""

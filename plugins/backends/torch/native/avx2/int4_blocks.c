@@ -8,7 +8,8 @@
  * take one 8-lane register each (AVX-512 puts both in one 16-lane register): the float additions'
  * order differs from the AVX-512 build's, so the two builds may differ in the last bits.
  *
- * Layouts (native/int4_blocks.c): codes [N][K / 2], ggml's nibble order; scales [N][K / 32]; mins
+ * Layouts (native/int4_blocks.c): codes [N][K / 2], ggml's nibble order (not the AVX-512 chunks: layouts.Int4Blocks.pack
+ * packs for the build this CPU runs); scales [N][K / 32]; mins
  * [N / 16][K / 32][16]; float16 or float32. Requires K % 64 == 0 and N % 16 == 0.
  */
 #include <stdlib.h>
