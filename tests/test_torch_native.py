@@ -143,6 +143,25 @@ def test_int4_blocks_matmul_matches_float64(half, rows, cols, dtype):
     assert ((got.double() - expected).abs() <= bound + 1e-5 * expected.abs().max()).all()
 
 
+@pytest.mark.slow  # compiles the kernels
+@pytest.mark.parametrize(("flags", "variant"), [(("avx512f", "avx512bw"), "avx512"), (("avx2", "fma", "f16c"), "avx2")])
+def test_int4_codes_are_packed_for_the_variant_whose_kernel_is_loaded(fresh_native, monkeypatch, flags, variant):
+    """The AVX-512 kernel reads codes in chunks of 4 blocks, the AVX2 one in ggml's order: each build,
+    on a CPU that runs both, gets the codes it reads and the right products (576: a 2-block tail chunk)."""
+    if not _cpu_has(*flags):
+        pytest.skip(f"this CPU has no {variant}")
+    monkeypatch.setattr(torch_native, "_cpu_features", lambda: "flags\t\t: fpu " + " ".join(flags))
+    layer, weight = random_blocks(32, 576, half=True)
+    assert torch_native.loaded_variant("int4_blocks") == variant
+    x = randn(9, 576, seed=1)
+    expected = x.double() @ weight.double().T
+    bound = (x.double().abs().amax(1, keepdim=True) / 65534) @ weight.double().abs().sum(1, keepdim=True).T
+    assert ((layer.matmul(x).double() - expected).abs() <= bound + 1e-5 * expected.abs().max()).all()
+    steps = x.double().view(9, -1, 32).abs().amax(-1) / 254  # the coarse mode: int8 with a scale per block
+    coarse_bound = steps @ weight.double().abs().view(32, -1, 32).sum(-1).T
+    assert ((layer.coarse(x).double() - expected).abs() <= coarse_bound * 1.0001 + 1e-5 * expected.abs().max()).all()
+
+
 @needs_native("int4_blocks_matmul")
 @pytest.mark.parametrize("half", [True, False], ids=["f16", "f32"])
 @pytest.mark.parametrize(("rows", "cols"), [(16, 64), (48, 576), (32, 1024)])  # a 64-wide tail chunk, then none

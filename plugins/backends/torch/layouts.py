@@ -166,7 +166,7 @@ class Int4Blocks:
         of 4 blocks, a first half of elements 0-7 of each block with 16-23 in the high nibbles, then
         a second half of 8-15 with 24-31 (a 2-block tail chunk likewise)."""
         rows, cols = codes.shape
-        if native.variant() != "avx512":
+        if native.loaded_variant("int4_blocks") != "avx512":
             halves = codes.view(rows, cols // 32, 2, 16)
             return (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(rows, cols // 2)
         whole = cols // 128 * 128

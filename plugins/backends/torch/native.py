@@ -102,6 +102,9 @@ def _compiler_version(compiler: str) -> str:
     return subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
 
 
+_BUILT_VARIANT: dict[str, str] = {}  # kernel -> the variant its last build or lookup was for (`loaded_variant`)
+
+
 def _build(name: str) -> Path | None:
     compiler = _compiler()
     if compiler is None or platform.machine() not in ("x86_64", "AMD64"):
@@ -117,6 +120,7 @@ def _build(name: str) -> Path | None:
     if not source.exists():
         log.info("native kernel %s has no %s version yet; using torch's kernels", name, chosen)
         return None
+    _BUILT_VARIANT[name] = chosen
     key = hashlib.sha256()
     # Headers and the folder's other sources (a kernel may #include another's: int4_blocks.c rms_norm.c)
     headers = [path.read_bytes() for path in sorted((*folder.glob("*.h"), *folder.glob("*.c"))) if path != source]
@@ -154,6 +158,12 @@ def load(name: str) -> ctypes.CDLL | None:
     except (OSError, subprocess.SubprocessError) as exc:
         log.warning("native kernel %s unavailable, using torch's kernels: %s", name, exc)
         return None
+
+
+def loaded_variant(name: str) -> str | None:
+    """The variant ("avx512", "avx2") of the loaded library `native/<name>.c`, None where none loads: what
+    decides a layout its kernels read (layouts.Int4Blocks.pack), as the library in use, not the CPU's flags."""
+    return _BUILT_VARIANT.get(name) if load(name) is not None else None
 
 
 _i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
