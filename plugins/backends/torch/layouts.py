@@ -160,7 +160,7 @@ class Int4Blocks:
 
     @staticmethod
     def pack(codes: torch.Tensor) -> torch.Tensor:
-        """Codes [out, in] -> bytes [out, in // 2] in the order this CPU's kernel reads (native/int4_blocks.c).
+        """Codes [out, in] -> bytes [out, in // 2] in the order the loaded int4 kernel reads (native/int4_blocks.c).
 
         AVX2: per block of 32, elements j and 16 + j share byte j (ggml's order). AVX-512: per chunk
         of 4 blocks, a first half of elements 0-7 of each block with 16-23 in the high nibbles, then
