@@ -170,7 +170,7 @@ INLINE void group(const uint8_t *codes, const void *scales, const void *mins, in
  * Q8_0), 128 elements a chunk laid out like the chunk's unpacked bytes (low nibbles: elements 0-7 of
  * each of its 4 blocks, then 8-15; high nibbles: 16-23, then 24-31; a tail chunk zeros its blocks
  * 2 and 3), and each chunk's block scales spread over 16 lanes as its sums will lie (SUM_BLOCK). */
-static const int SUM_BLOCK[16] = {0, 0, 1, 1, 2, 2, 3, 3, 0, 0, 1, 1, 2, 2, 3, 3}; /* a 4-byte lane's block */
+static const int32_t SUM_BLOCK[16] = {0, 0, 1, 1, 2, 2, 3, 3, 0, 0, 1, 1, 2, 2, 3, 3}; /* a 4-byte lane's block */
 
 static void quantize_row8(const void *x, int bf16, int64_t row, int64_t K, int8_t *codes, float *spread, float *sums)
 {
@@ -203,7 +203,7 @@ INLINE void coarse_group(const uint8_t *codes, const void *scales, const void *m
                          float *y, int64_t ldy)
 {
     const __m512i low = _mm512_set1_epi8(0x0F);
-    const __m512i spread = _mm512_set_epi32(3, 3, 2, 2, 1, 1, 0, 0, 3, 3, 2, 2, 1, 1, 0, 0); /* SUM_BLOCK */
+    const __m512i spread = _mm512_loadu_si512(SUM_BLOCK);
     const int64_t blocks = K / 32;
     __m512 acc[ROW_TILE][16];
     for (int n = 0; n < 16; n++) {
