@@ -388,7 +388,8 @@ def reference_attention(q, keys, values, group, scale) -> torch.Tensor:
 @needs_native("row_attention")
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "dim", "lengths"),
-    [(9, 3, 64, [512, 17, 1]), (4, 1, 256, [100, 99]), (8, 8, 32, [16, 15, 33]), (6, 2, 48, [5]), (8, 1, 32, [40, 7])],  # groups of 1-4 heads, then 8
+    [(9, 3, 64, [512, 17, 1]), (4, 1, 256, [100, 99]), (8, 8, 32, [16, 15, 33]), (6, 2, 48, [5]), (8, 1, 32, [40, 7]),
+     (10, 2, 64, [9, 2]), (12, 1, 16, [21])],  # groups of 1-4 heads (keys two at a time: odd counts too), then 5, 8 and 12 (fewer value tiles)
 )
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_row_attention_matches_float64_and_is_the_same_alone(heads, kv_heads, dim, lengths, dtype):

@@ -30,7 +30,7 @@ struct row_attention_args {
 };
 
 #define MAX_GROUP 16 /* query heads per kv head */
-#define VALUE_TILE 4 /* 8-float chunks of a value row accumulated in registers at a time */
+#define VALUE_TILE 4 /* 8-float chunks of a value row accumulated in registers at a time, at most (value_tile) */
 
 /* Lanes i < left all ones, the rest zero (as a float mask for and/blend). */
 INLINE __m256 lanes_below(int64_t left)
@@ -38,6 +38,12 @@ INLINE __m256 lanes_below(int64_t left)
     const __m256i index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(left >= 8 ? 8 : (int)left), index));
 }
+
+/* Keys scored two at a time where a group has at most KEY_TILE_GROUP heads: each q chunk is loaded
+ * once for both keys, their 2 * group accumulators stay in registers, and every score's sum is the
+ * same as one key at a time (measured with value_tile: BENCHMARKS.md, "The AVX2 row_attention kernel"). */
+#define KEY_TILE 2
+#define KEY_TILE_GROUP 4
 
 /* scores[g][j] = scale * q_g . key_j for the region's cells, -inf where masked */
 INLINE void scores_of(const float *q, int group, int64_t key_dim, const void *keys, int bf16, int64_t used,
@@ -51,6 +57,21 @@ INLINE void scores_of(const float *q, int group, int64_t key_dim, const void *ke
                 partial[g][j] = _mm256_setzero_ps();
             if (j >= count)
                 continue;
+            if (group <= KEY_TILE_GROUP && j + KEY_TILE <= count) {
+                for (int g = 0; g < group; g++)
+                    partial[g][j + 1] = _mm256_setzero_ps();
+                for (int64_t c = 0; c < key_dim; c += 8) {
+                    const __m256 k0 = load8_all(keys, bf16, (j0 + j) * key_dim + c);
+                    const __m256 k1 = load8_all(keys, bf16, (j0 + j + 1) * key_dim + c);
+                    for (int g = 0; g < group; g++) {
+                        const __m256 qc = _mm256_loadu_ps(q + g * key_dim + c);
+                        partial[g][j] = _mm256_fmadd_ps(qc, k0, partial[g][j]);
+                        partial[g][j + 1] = _mm256_fmadd_ps(qc, k1, partial[g][j + 1]);
+                    }
+                }
+                j++;
+                continue;
+            }
             for (int64_t c = 0; c < key_dim; c += 8) {
                 __m256 k = load8_all(keys, bf16, (j0 + j) * key_dim + c);
                 for (int g = 0; g < group; g++)
@@ -88,15 +109,24 @@ static float softmax_numerators(float *scores, int64_t used)
     return reduce_add8(sum);
 }
 
+/* 8-float chunks of a value row accumulated in registers at a time for a group of `group` heads:
+ * group * tiles accumulators, the loaded chunk and a broadcast weight within the 16 ymm registers
+ * (with 4 tiles, 4-8 heads' accumulators spilled). The same sums in the same order for any tile. */
+INLINE int value_tile(int group)
+{
+    return group <= 3 ? VALUE_TILE : group <= 6 ? 2 : 1;
+}
+
 /* out[g] = sum_j p[g][j] * value_j / total[g] */
 INLINE void weighted_values(const float *p, const float *total, int group, int64_t used, const void *values, int bf16,
                             int64_t value_dim, float *out, int64_t out_stride)
 {
-    for (int64_t c0 = 0; c0 < value_dim; c0 += 8 * VALUE_TILE) {
-        int tiles = (value_dim - c0) / 8 < VALUE_TILE ? (int)((value_dim - c0) / 8) : VALUE_TILE;
+    const int tile = value_tile(group);
+    for (int64_t c0 = 0; c0 < value_dim; c0 += 8 * tile) {
+        int tiles = (value_dim - c0) / 8 < tile ? (int)((value_dim - c0) / 8) : tile;
         __m256 acc[MAX_GROUP][VALUE_TILE];
         for (int g = 0; g < group; g++)
-            for (int t = 0; t < VALUE_TILE; t++)
+            for (int t = 0; t < tile; t++)
                 acc[g][t] = _mm256_setzero_ps();
         for (int64_t j = 0; j < used; j++) {
             for (int t = 0; t < tiles; t++) {
