@@ -89,9 +89,10 @@ INLINE void store_rows(__m256 acc[][16], const void *mins, int half, int64_t blo
 }
 
 /* 16 output rows (a group) times up to ROW_TILE activation rows. Scales and mins are float16
- * when `half` (a constant in each inlined copy), else float32. */
+ * when `half` (a constant in each inlined copy), else float32. `prefetch`: the group's first pass
+ * over its weights (from memory), which asks for them ahead; later passes find them in cache. */
 INLINE void group(const uint8_t *codes, const void *scales, const void *mins, int half, int64_t K, const int16_t *xq,
-                  const float *xs, const float *xsums, int rows, float *y, int64_t ldy)
+                  const float *xs, const float *xsums, int rows, int prefetch, float *y, int64_t ldy)
 {
     const __m256i low = _mm256_set1_epi16(0x0F);
     const int64_t blocks = K / 32;
@@ -104,7 +105,8 @@ INLINE void group(const uint8_t *codes, const void *scales, const void *mins, in
         for (int t = 0; t < ROW_TILE; t++)
             a[t] = b[t] = _mm256_setzero_ps();
         for (int64_t p = 0; p < K / 64; p++) {
-            _mm_prefetch((const char *)(wc + 32 * p) + PREFETCH_BYTES, _MM_HINT_T0);
+            if (prefetch)
+                _mm_prefetch((const char *)(wc + 32 * p) + PREFETCH_BYTES, _MM_HINT_T0);
             /* block 2p's 16 bytes, then block 2p + 1's: the low nibbles are a block's first 16 elements */
             __m256i w0 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(wc + 32 * p)));
             __m256i w1 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(wc + 32 * p + 16)));
@@ -162,7 +164,7 @@ static void quantize_row8(const void *x, int bf16, int64_t row, int64_t K, int8_
  * `group` takes 16: for ranking candidates, not for exact outputs. */
 INLINE void coarse_group(const uint8_t *codes, const void *scales, const void *mins, int half, int64_t K,
                          const int8_t *xq, int64_t stride, const float *xspread, const float *xsums, int rows,
-                         float *y, int64_t ldy)
+                         int prefetch, float *y, int64_t ldy)
 {
     const __m256i low = _mm256_set1_epi8(0x0F);
     const __m256i first_pair = _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0), last_pair = _mm256_set_epi32(3, 3, 3, 3, 2, 2, 2, 2);
@@ -174,7 +176,8 @@ INLINE void coarse_group(const uint8_t *codes, const void *scales, const void *m
         for (int t = 0; t < ROW_TILE; t++)
             a[t] = _mm256_setzero_ps();
         for (int64_t p = 0; 128 * p < K; p++) {
-            _mm_prefetch((const char *)(wc + 64 * p) + PREFETCH_BYTES, _MM_HINT_T0);
+            if (prefetch)
+                _mm_prefetch((const char *)(wc + 64 * p) + PREFETCH_BYTES, _MM_HINT_T0);
             const int count = K - 128 * p >= 128 ? 4 : 2;
             /* blocks 4p and 4p + 1 (lanes 0-3 and 4-7 of the sums), then 4p + 2 and 4p + 3 unless this is a tail chunk */
             __m256i w0 = _mm256_loadu_si256((const __m256i *)(wc + 64 * p));
@@ -239,13 +242,13 @@ void int4_blocks_matmul(const void *x, int x_bf16, int64_t M, int64_t K, const u
 #define GROUP(R)                                                                                                      \
     do {                                                                                                              \
         if (coarse && half)                                                                                           \
-            coarse_group(c, s, mn, 1, K, q8, stride, qs, qsums, R, out, N);                                           \
+            coarse_group(c, s, mn, 1, K, q8, stride, qs, qsums, R, m == 0, out, N); \
         else if (coarse)                                                                                              \
-            coarse_group(c, s, mn, 0, K, q8, stride, qs, qsums, R, out, N);                                           \
+            coarse_group(c, s, mn, 0, K, q8, stride, qs, qsums, R, m == 0, out, N); \
         else if (half)                                                                                                \
-            group(c, s, mn, 1, K, q, qs, qsums, R, out, N);                                                           \
+            group(c, s, mn, 1, K, q, qs, qsums, R, m == 0, out, N); \
         else                                                                                                          \
-            group(c, s, mn, 0, K, q, qs, qsums, R, out, N);                                                           \
+            group(c, s, mn, 0, K, q, qs, qsums, R, m == 0, out, N); \
     } while (0)
             FOR_ROW_COUNT(rows, GROUP);
 #undef GROUP

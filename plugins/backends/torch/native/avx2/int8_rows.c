@@ -50,9 +50,11 @@ INLINE __m256 sum16(const __m256 *lo, const __m256 *hi)
     return _mm256_add_ps(_mm256_permute2f128_ps(r03, r47, 0x20), _mm256_permute2f128_ps(r03, r47, 0x31));
 }
 
-/* 8 output rows times up to ROW_TILE activation rows. */
+/* 8 output rows times up to ROW_TILE activation rows; `prefetch`: the weight rows' first pass (from
+ * memory), which asks for them ahead. Later passes find them in cache, where the prefetches only
+ * took issue slots (prompt rows 10-12% slower with them; BENCHMARKS.md, "Bound calls"). */
 INLINE void octet(const int8_t *codes, const uint16_t *scales, int64_t K, const int16_t *xq, const float *xs, int rows,
-                  float *y, int64_t ldy)
+                  int prefetch, float *y, int64_t ldy)
 {
     __m256 lo[ROW_TILE][8], hi[ROW_TILE][8];
     for (int n = 0; n < 8; n++) {
@@ -66,7 +68,8 @@ INLINE void octet(const int8_t *codes, const uint16_t *scales, int64_t K, const 
             for (int t = 0; t < ROW_TILE; t++)
                 dots_lo[t] = dots_hi[t] = _mm256_setzero_si256();
             for (int64_t k = k0; k < k1; k += 32) {
-                _mm_prefetch((const char *)(w + k) + PREFETCH_BYTES, _MM_HINT_T0);
+                if (prefetch)
+                    _mm_prefetch((const char *)(w + k) + PREFETCH_BYTES, _MM_HINT_T0);
                 const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + k)));
                 const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + k + 16)));
                 for (int t = 0; t < rows; t++) {
@@ -110,9 +113,14 @@ void int8_rows_matmul(const void *x, int x_bf16, int64_t M, int64_t K, const int
             for (int64_t o = 16 * g; o < 16 * g + 16; o += 8) {
                 const int8_t *c = codes + o * K;
                 float *out = y + m * N + o;
-#define OCTET(R) octet(c, scales + o, K, q, xs + m, R, out, N)
-                FOR_ROW_COUNT(rows, OCTET);
+#define OCTET(R) octet(c, scales + o, K, q, xs + m, R, 1, out, N)
+#define WARM_OCTET(R) octet(c, scales + o, K, q, xs + m, R, 0, out, N)
+                if (m == 0)
+                    FOR_ROW_COUNT(rows, OCTET)
+                else
+                    FOR_ROW_COUNT(rows, WARM_OCTET)
 #undef OCTET
+#undef WARM_OCTET
             }
         }
     }
