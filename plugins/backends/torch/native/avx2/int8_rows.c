@@ -52,7 +52,7 @@ INLINE __m256 sum16(const __m256 *lo, const __m256 *hi)
 
 /* 8 output rows times up to ROW_TILE activation rows; `prefetch`: the weight rows' first pass (from
  * memory), which asks for them ahead. Later passes find them in cache, where the prefetches only
- * took issue slots (prompt rows 10-12% slower with them; BENCHMARKS.md, "Bound calls"). */
+ * took issue slots (prompt rows 8-13% slower with them; BENCHMARKS.md, "AVX2 prompt kernels"). */
 INLINE void octet(const int8_t *codes, const uint16_t *scales, int64_t K, const int16_t *xq, const float *xs, int rows,
                   int prefetch, float *y, int64_t ldy)
 {

@@ -41,7 +41,7 @@ INLINE __m256 lanes_below(int64_t left)
 
 /* Keys scored two at a time where a group has at most KEY_TILE_GROUP heads: each q chunk is loaded
  * once for both keys, their 2 * group accumulators stay in registers, and every score's sum is the
- * same as one key at a time (measured with value_tile: BENCHMARKS.md, "The AVX2 row_attention kernel"). */
+ * same as one key at a time (measured with value_tile: BENCHMARKS.md, "AVX2 prompt kernels"). */
 #define KEY_TILE 2
 #define KEY_TILE_GROUP 4
 
