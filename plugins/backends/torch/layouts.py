@@ -39,8 +39,11 @@ from corral.topk import topk
 
 Runs = Sequence[tuple[int, int]] | WholeSequence | None
 
-# Dense BLAS picks its algorithm by the row count: single rows run in chunks of 2..8, which
-# measured bit-identical for any chunk size (one row alone would take the gemv path).
+# Dense BLAS picks its algorithm by the row count, so single rows (decode tokens, selected
+# outputs) always go in calls of exactly this many rows, padded with copies of the last: a row's
+# bits then depend neither on how many others there are nor where it sits. MKL on AMD gave the
+# same bits for 2..8 rows; on an Intel Xeon (AVX-512, AMX) a row changes from 3 rows on at some
+# shapes (64 x 100, 128 x 256), while at a fixed count its position never mattered.
 SINGLES_CHUNK = 8
 # A run of at least this many rows of one sequence (a prompt chunk) takes a layout's prompt path
 # (float32 BLAS on the file's weights for int4, int8 x int8 products for int8): a row costs the
@@ -89,7 +92,7 @@ class DenseWeight:
                 out[start:stop] = F.linear(xd[start:stop], w)
         for i in range(0, len(singles), SINGLES_CHUNK):
             rows = singles[i : i + SINGLES_CHUNK]
-            padded = rows if len(rows) > 1 else rows * 2
+            padded = rows + rows[-1:] * (SINGLES_CHUNK - len(rows))
             out[rows] = F.linear(xd[padded], w)[: len(rows)]
         return out.float()
 
