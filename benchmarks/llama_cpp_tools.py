@@ -25,10 +25,21 @@ import peers  # noqa: E402 - tests/peers.py: the sdist's download and cache
 
 # The configuration peers.md gives: this CPU's instructions, no network code, no tests.
 CMAKE_OPTIONS = ["-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=ON", "-DCMAKE_BUILD_TYPE=Release"]
+# ggml's AMX matmuls (built where -march=native has AMX) died in `ldtilecfg` on an OpenMP worker
+# thread on a Firecracker VM of Intel Xeons whose AMX works in a plain program (2026-12-03): with
+# `no_amx` the tools are built without it, into their own directory, and take the AVX-512 paths.
+NO_AMX_FLAGS = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+no_amx = False  # set by side_by_side.py's --llama-cpp-no-amx
 
 
 def build_dir() -> pathlib.Path:
-    return peers.cache_dir() / "build"
+    return peers.cache_dir() / ("build-noamx" if no_amx else "build")
+
+
+def cmake_options() -> list[str]:
+    if not no_amx:
+        return CMAKE_OPTIONS
+    return [*CMAKE_OPTIONS, f"-DCMAKE_C_FLAGS={NO_AMX_FLAGS}", f"-DCMAKE_CXX_FLAGS={NO_AMX_FLAGS}"]
 
 
 def tool(name: str, jobs: int | None = None) -> pathlib.Path:
@@ -38,7 +49,7 @@ def tool(name: str, jobs: int | None = None) -> pathlib.Path:
         return binary
     build, sources = build_dir(), peers.llama_cpp_sources()
     if not (build / "CMakeCache.txt").is_file():
-        _run(["cmake", "-S", str(sources), "-B", str(build), *CMAKE_OPTIONS], f"configuring llama.cpp in {build}")
+        _run(["cmake", "-S", str(sources), "-B", str(build), *cmake_options()], f"configuring llama.cpp in {build}")
     jobs = jobs or os.cpu_count() or 2
     _run(["cmake", "--build", str(build), "--target", name, f"-j{jobs}"], f"building {name} (minutes)")
     if not binary.is_file():
@@ -62,7 +73,10 @@ def llama_bench(path: str, threads: int, prompt_tokens: int, gen_tokens: int, de
     ]
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode:
-        raise RuntimeError(f"llama-bench failed on {path}:\n{done.stderr[-3000:]}")
+        hint = ""
+        if done.returncode < 0 and not no_amx:  # killed by a signal: on a VM, maybe ggml's AMX code (NO_AMX_FLAGS)
+            hint = " (killed by a signal; if this CPU has AMX, try side_by_side.py --llama-cpp-no-amx)"
+        raise RuntimeError(f"llama-bench failed on {path} with {done.returncode}{hint}:\n{done.stderr[-3000:]}")
     figures = {}
     for test in json.loads(done.stdout):
         depth = test.get("n_depth", 0)

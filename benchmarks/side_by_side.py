@@ -1,7 +1,7 @@
 """corral against llama.cpp's own C++ tools on the same GGUF files, in one run, alternating.
 
     python benchmarks/side_by_side.py [--models smollm2 gemma3:270m] [--rounds 3] [--threads 2] [--streams 8]
-        [--python-binding] [--json results.json]
+        [--python-binding] [--json results.json] [--llama-cpp-no-amx]
 
 In every round, for each model, both engines run each test in fresh processes, which engine goes
 first alternating from round to round so a shared machine's drift hits both alike:
@@ -16,7 +16,8 @@ first alternating from round to round so a shared machine's drift hits both alik
   warm-up request; generated tokens / wall time, time to first token, per-stream decode rate.
 
 llama-bench and llama-server are built from the llama-cpp-python sdist when missing
-(llama_cpp_tools.py). Beside each decode figure is its bandwidth ceiling: the machine's read
+(llama_cpp_tools.py; `--llama-cpp-no-amx` builds and runs them without ggml's AMX code, which
+crashed on an Intel VM). Beside each decode figure is its bandwidth ceiling: the machine's read
 bandwidth (quant_types.read_bandwidth, measured here first, or --bandwidth) over the bytes an engine reads a
 token: corral's resident weight bytes (its embedding read a row a token), llama.cpp's file tensor
 bytes (the embedding counted only when it is the output matrix too), plus the KV cache at that
@@ -212,10 +213,12 @@ def main() -> None:
     parser.add_argument("--python-binding", action="store_true", help="also compare through llama-cpp-python")
     parser.add_argument("--bandwidth", type=float, help="GB/s of reads for the ceilings, measured elsewhere (a quiet run) instead of now")
     parser.add_argument("--json", type=pathlib.Path, help="write every record here")
+    parser.add_argument("--llama-cpp-no-amx", action="store_true", help="llama.cpp's tools built without AMX (llama_cpp_tools.NO_AMX_FLAGS)")
     args = parser.parse_args()
 
     from corral import store
 
+    llama_cpp_tools.no_amx = args.llama_cpp_no_amx
     for name in ("llama-bench", "llama-server"):  # built before anything is timed
         llama_cpp_tools.tool(name)
     if args.bandwidth:
