@@ -19,7 +19,7 @@ from test_torch_quant import INT4, cols_of, random_raw, reference
 from corral.plugins.backends.torch import attention as torch_attention, dequantize as torch_quant, kv_cells, native as torch_native
 from corral.plugins.backends.torch import TorchBackend
 from corral.plugins.backends.torch.fusion import stack_weights
-from corral.plugins.backends.torch.layouts import Int4Blocks, Int4Weight, Int8Weight, requantized_int4
+from corral.plugins.backends.torch.layouts import Int4Blocks, Int4Columns, Int4Weight, Int8Weight, requantized_int4
 
 Q = gguf.GGMLQuantizationType
 
@@ -248,6 +248,64 @@ def test_requantized_logits_copy_has_float16_scales_spanning_each_group():
     x = randn(2, 128, seed=7)
     expected = x @ exact.T
     assert torch.allclose(layer.matmul(x), expected, rtol=0, atol=0.1 * expected.abs().max().item())
+
+
+# --- int4 columns (the vocabulary projection's ranking copy) ---------------------------------------
+def random_columns(rows: int, cols: int, half: bool, seed: int = 0) -> tuple[Int4Columns, Int4Blocks | None, torch.Tensor]:
+    """The same random 4-bit weight as an Int4Columns, an Int4Blocks (None where cols % 64: it takes no odd block) and floats."""
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (rows, cols), dtype=torch.uint8, generator=gen)
+    scales, mins = torch.rand(rows, cols // 32, generator=gen) * 0.02, -torch.rand(rows, cols // 32, generator=gen) * 0.1
+    scales, mins = (scales.half().float(), mins.half().float()) if half else (scales + 1e-9, mins)
+    weight = (codes.float().view(rows, -1, 32) * scales[..., None] + mins[..., None]).view(rows, cols)
+    blocks = Int4Blocks.from_codes(codes, scales, mins) if cols % 64 == 0 else None
+    return Int4Columns.from_codes(codes, scales, mins), blocks, weight
+
+
+@needs_native("int4_columns_coarse")
+@pytest.mark.parametrize("half", [True, False], ids=["f16", "f32"])
+@pytest.mark.parametrize(("rows", "cols"), [(16, 32), (48, 576), (32, 1056)])  # one block; a 64-wide tail; 33 blocks
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_int4_columns_coarse_products_are_within_int8_rounding_per_block(half, rows, cols, dtype):
+    layer, _, weight = random_columns(rows, cols, half)
+    assert layer.scales.dtype == layer.mins.dtype == (torch.float16 if half else torch.float32)
+    assert (layer.out_features, layer.in_features) == (rows, cols)
+    x = randn(11, cols, seed=4).to(dtype)
+    x[:, 3] *= 50  # an outlier coarsens only its own block
+    expected = x.double() @ weight.double().T
+    got = layer.coarse(x)
+    assert got.dtype == torch.float32 and got.shape == (11, rows)
+    steps = x.double().view(11, -1, 32).abs().amax(-1) / 254  # half a step of each block's int8 scale
+    bound = steps @ weight.double().abs().view(rows, -1, 32).sum(-1).T
+    assert ((got.double() - expected).abs() <= bound * 1.0001 + 1e-5 * expected.abs().max()).all()
+
+
+@needs_native("int4_columns_coarse")
+def test_int4_columns_rank_like_the_blocks_coarse_mode_and_keep_their_bits_alone_batched_and_threaded():
+    layer, blocks, _ = random_columns(64, 640, half=True, seed=3)
+    x = randn(19, 640, seed=5)  # past two tiles of 8 rows
+    got = layer.coarse(x)
+    # the same int8 products per block as int4_blocks.c's coarse mode, summed in another order
+    assert torch.allclose(got, blocks.coarse(x), rtol=1e-5, atol=1e-5 * got.abs().max().item())
+    for i in range(19):
+        assert torch.equal(layer.coarse(x[i : i + 1])[0], got[i])
+    assert torch.equal(layer.coarse(x[5:13]), got[5:13])
+    torch.set_num_threads(1)
+    try:
+        assert torch.equal(layer.coarse(x), got)
+    finally:
+        torch.set_num_threads(2)
+
+
+@needs_native("int4_columns_coarse")
+def test_the_logits_ranking_copy_is_column_grouped_where_its_kernel_runs():
+    values = np.random.default_rng(6).normal(0, 0.05, (64, 128)).astype(np.float32)
+    raw = torch.from_numpy(gguf.quants.quantize(values, Q.Q8_0))
+    layer = requantized_int4(raw, Q.Q8_0, 128, columns=True)
+    assert type(layer) is Int4Columns and layer.scales.dtype == torch.float16
+    blocks = requantized_int4(raw, Q.Q8_0, 128)
+    x = randn(3, 128, seed=7)
+    assert torch.allclose(layer.coarse(x), blocks.coarse(x), rtol=1e-5, atol=1e-5)
 
 
 # --- int8 rows --------------------------------------------------------------------------------------

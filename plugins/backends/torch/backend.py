@@ -210,7 +210,7 @@ class TorchBackend:
 
     def _approximate_logits(self, raw: torch.Tensor, info: TensorInfo) -> Int4Weight | Int8Weight:
         if approximates_in_int4(*info.shape):
-            return requantized_int4(raw, info.qtype, info.shape[-1])
+            return requantized_int4(raw, info.qtype, info.shape[-1], columns=True)
         return Int8Weight.from_gguf(raw, info.qtype, info.shape[-1])
 
     def _keeps_int8(self, info: TensorInfo) -> bool:

@@ -259,6 +259,60 @@ class Int4Blocks:
         return native.int4_blocks_matmul(x, self.codes, self.scales, self.mins, coarse=True)
 
 
+@attrs.frozen
+class Int4Columns:
+    """The vocabulary projection's 4-bit copy laid out for ranking several rows at once
+    (native/int4_columns.c): each group of 16 output rows' codes interleaved so that one int8
+    multiply-add serves all 16, a scale and min per 32 weights. Only coarse products: where
+    int4_blocks.c's coarse mode converts and scales every 128 products of every row, this does
+    it once per 32 products for 16 outputs (measured: BENCHMARKS.md, "The vocabulary projection
+    at several rows"). Where there is no such kernel (AVX2), the copy is an Int4Blocks."""
+
+    codes: torch.Tensor  # uint8 [out // 16, 8 * in]: per group, per block of 32, 4 quarters of 64 bytes
+    scales: torch.Tensor  # [out // 16, in // 32, 16], float16 where exact, else float32
+    mins: torch.Tensor  # the same layout and dtype
+
+    @staticmethod
+    def takes(rows: int, cols: int) -> bool:
+        return native.has("int4_columns_coarse") and rows % 16 == 0 and cols % 32 == 0
+
+    @classmethod
+    def from_codes(cls, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> Int4Columns:
+        """Codes uint8 [out, in] (0..15), scales and mins [out, in // 32]: w = q * scale + min."""
+        return cls.from_packed(cls.pack(codes), scales, mins)
+
+    @classmethod
+    def from_packed(cls, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> Int4Columns:
+        """Packed codes (`pack`), scales and mins [out, in // 32], kept float16 where every value is exact in it."""
+        dtype = torch.float16 if exact_in(scales, torch.float16) and exact_in(mins, torch.float16) else torch.float32
+        return cls(packed, Int4Blocks.group(scales).to(dtype), Int4Blocks.group(mins).to(dtype))
+
+    @staticmethod
+    def pack(codes: torch.Tensor) -> torch.Tensor:
+        """Codes [out, in] -> bytes [out // 16, 8 * in]: for group g, block b, quarter h, byte 4i + j
+        holds row 16g + i's element 8h + j (low nibble) and 8h + 4 + j (high nibble)."""
+        rows, cols = codes.shape
+        c = codes.reshape(rows // 16, 16, cols // 32, 4, 2, 4)  # group, row, block, quarter, nibble, element
+        pairs = c[:, :, :, :, 0] | (c[:, :, :, :, 1] << 4)  # [group, row, block, quarter, element]
+        return pairs.permute(0, 2, 3, 1, 4).reshape(rows // 16, cols * 8).contiguous()
+
+    @property
+    def out_features(self) -> int:
+        return self.codes.shape[0] * 16
+
+    @property
+    def in_features(self) -> int:
+        return self.codes.shape[1] // 8
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.nbytes + self.scales.nbytes + self.mins.nbytes
+
+    def coarse(self, x: torch.Tensor) -> torch.Tensor:
+        """Products with int8 activations (a scale per 32), for ranking candidates."""
+        return native.int4_columns_coarse(x, self.codes, self.scales, self.mins)
+
+
 def _long_runs(x: torch.Tensor, runs: Runs, kernel: Any, long_kernel: Any, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Runs of LONG_RUN_ROWS rows or more through `long_kernel` (all of them in one call), the other
     rows through the row-exact `kernel`. A run's length depends only on its own sequence's prompt
@@ -309,13 +363,15 @@ def _two_levels(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     return torch.cat((q1, q2)).to(torch.int8), s1, s2
 
 
-def requantized_int4(raw: torch.Tensor, qtype: Any, cols: int) -> Int4Blocks | Int4Weight:
+def requantized_int4(raw: torch.Tensor, qtype: Any, cols: int, columns: bool = False) -> Int4Columns | Int4Blocks | Int4Weight:
     """A GGUF tensor of any type rounded to int4 groups of 32, a slab of rows at a time: for the
-    native kernel where it takes the shape (scales and mins exact in float16), else for torch's."""
+    native kernel where it takes the shape (scales and mins exact in float16), else for torch's.
+    `columns`: the vocabulary projection's ranking copy, an Int4Columns where its kernel takes the shape."""
     rows = raw.shape[0]
-    blocks = Int4Blocks.takes(rows, cols)
-    dtype = torch.float16 if blocks else torch.float32
-    packed = torch.empty(rows, cols // 2, dtype=torch.uint8)
+    columns = columns and Int4Columns.takes(rows, cols)
+    blocks = not columns and Int4Blocks.takes(rows, cols)
+    dtype = torch.float16 if blocks or columns else torch.float32
+    packed = torch.empty(rows // 16, cols * 8, dtype=torch.uint8) if columns else torch.empty(rows, cols // 2, dtype=torch.uint8)
     scales = torch.empty(rows, cols // INT4_GROUP)
     mins = torch.empty_like(scales)
     step = max(64, SLAB_ELEMENTS // cols // 64 * 64)  # whole packing blocks per slab
@@ -323,11 +379,15 @@ def requantized_int4(raw: torch.Tensor, qtype: Any, cols: int) -> Int4Blocks | I
         codes, scales[start : start + step], mins[start : start + step] = int4_requantize(
             dequantize(raw[start : start + step], qtype, cols), dtype
         )
-        if blocks:
+        if columns:
+            packed[start // 16 : (start + step) // 16] = Int4Columns.pack(codes)
+        elif blocks:
             packed[start : start + step] = Int4Blocks.pack(codes)
         else:
             packed[start : start + step] = pack_int4_codes_for_cpu(codes)
-    if blocks:  # float16 unless some group's values lie beyond its range
+    if columns:  # float16 unless some group's values lie beyond its range
+        return Int4Columns.from_packed(packed, scales, mins)
+    if blocks:
         return Int4Blocks.from_packed(packed, scales, mins)
     sz = scales_and_zeros(scales, mins + 8 * scales, torch.bfloat16)
     return Int4Weight(packed, sz, rows, cols)
@@ -510,7 +570,7 @@ class MappedRows:
 class RescoredLogits:
     """The vocabulary projection: approximate logits, then each row's top candidates recomputed exactly."""
 
-    approx: Int4Weight | Int8Weight
+    approx: Int4Columns | Int4Blocks | Int4Weight | Int8Weight
     exact: MappedRows
 
     @property
@@ -520,7 +580,7 @@ class RescoredLogits:
     def approximate(self, x: torch.Tensor) -> torch.Tensor:
         """float32 logits that rank the candidates and stand for the unlikely rest. Coarse int8
         activations move them by about a tenth of what the 4-bit weights already do."""
-        return self.approx.coarse(x) if isinstance(self.approx, Int4Blocks) else self.approx._kernel(x).float()
+        return self.approx.coarse(x) if isinstance(self.approx, (Int4Blocks, Int4Columns)) else self.approx._kernel(x).float()
 
     def matmul(self, x: torch.Tensor, runs: Runs = None) -> torch.Tensor:
         logits = self.approximate(x)

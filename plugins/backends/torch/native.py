@@ -187,6 +187,7 @@ SIGNATURES = {
     "int4_blocks_normed": ("int4_blocks", (_ptr, _int, _i64, _i64, _ptr, ctypes.c_float, _ptr, _ptr, _ptr, _int, _i64, _ptr, _int)),
     "int8_rows_matmul": ("int8_rows", (_ptr, _int, _i64, _i64, _ptr, _ptr, _i64, _ptr, _int)),
     "int4_blocks_added": ("int4_blocks", (_ptr, _int, _i64, _i64, _ptr, _ptr, _ptr, _int, _i64, _ptr, ctypes.c_float, _ptr, _ptr, _int)),
+    "int4_columns_coarse": ("int4_columns", (_ptr, _int, _i64, _i64, _ptr, _ptr, _ptr, _int, _i64, _ptr, _int)),
     "int8_rows_added": ("int8_rows", (_ptr, _int, _i64, _i64, _ptr, _ptr, _i64, _ptr, ctypes.c_float, _ptr, _ptr, _int)),
     "int8_rows_normed": ("int8_rows", (_ptr, _int, _i64, _i64, _ptr, ctypes.c_float, _ptr, _ptr, _i64, _ptr, _int)),
     "int8_two_levels": ("int8_rows", (_ptr, _int, _i64, _i64, _ptr, _ptr, _int)),
@@ -196,7 +197,7 @@ SIGNATURES = {
     "row_attention": ("row_attention", (ctypes.POINTER(RowAttentionArgs),)),
     "rope_heads": ("rope", (_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _i64, _int, _ptr, _ptr)),
 }
-RESTYPES = {name: ctypes.c_int for name in ("row_attention", "int4_blocks_normed", "int8_rows_normed", "int4_blocks_added", "int8_rows_added")}
+RESTYPES = {name: ctypes.c_int for name in ("row_attention", "int4_columns_coarse", "int4_blocks_normed", "int8_rows_normed", "int4_blocks_added", "int8_rows_added")}
 MAX_HEAD_GROUP = 16  # query heads per kv head the attention kernel takes
 
 
@@ -281,6 +282,21 @@ def int4_blocks_matmul(
             mins.data_ptr(), scales.dtype is torch.float16, codes.shape[0], out.data_ptr(), coarse,
             torch.get_num_threads(),
         )  # fmt: skip
+    return out
+
+
+def int4_columns_coarse(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+    """x [rows, in] (float32 or bf16) times the column-grouped 4-bit weight's transpose, coarsely
+    (int8 activations, a scale per 32), for ranking candidates -> float32 [rows, out]
+    (layout and arithmetic: native/int4_columns.c; scales and mins both float16 or both float32)."""
+    x = _floats(x)
+    rows, cols = x.shape
+    out = torch.empty((rows, codes.shape[0] * 16), dtype=torch.float32)
+    if rows and function("int4_columns_coarse")(
+        x.data_ptr(), x.dtype is torch.bfloat16, rows, cols, codes.data_ptr(), scales.data_ptr(), mins.data_ptr(),
+        scales.dtype is torch.float16, out.shape[1], out.data_ptr(), torch.get_num_threads(),
+    ):  # fmt: skip
+        raise MemoryError("native int4 columns kernel could not allocate its quantized rows")
     return out
 
 
