@@ -21,6 +21,8 @@ whatever else is in the batch (batch invariance, see the package docstring):
                 from the file. The copy is off by up to ~4 logits, but the true best token ranked
                 within its top 4 on every reference step, so argmax, top-k sampling and the
                 reported logprobs see exact values; only the far tail stays approximate.
+                On AVX-512 the copy is an `Int4Columns`: laid out by output row, for ranking
+                several rows (concurrent streams' decode tokens) at once.
 """
 
 from __future__ import annotations
