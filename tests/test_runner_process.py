@@ -136,6 +136,27 @@ async def test_a_runner_killed_mid_stream_fails_the_stream_and_a_new_one_serves(
     assert final.done and final.eval_count == 4
 
 
+async def test_a_runner_that_crashes_with_a_traceback_keeps_it_out_of_the_error(tiny_path, tmp_path, monkeypatch, caplog):
+    # The child's step raises (a bug): its traceback goes to the server's log, never into the error
+    # message a client would see. sitecustomize runs in the child at start-up (PYTHONPATH is passed on).
+    (tmp_path / "sitecustomize.py").write_text(
+        "from corral.runner import batching\n"
+        "def broken(self, *args):\n"
+        "    raise RuntimeError('a bug in /srv/corral/secret_path.py')\n"
+        "batching.BatchingActor._execute = broken\n"
+    )
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
+    with caplog.at_level("WARNING", logger="corral.runner"):
+        async with RunnerProcess.open(tiny_path, **SMALL) as runner:
+            with pytest.raises(RunnerDiedError) as raised:
+                async with runner.generate("hello", {"temperature": 0, "num_predict": 4}) as stream:
+                    await stream.collect()
+    message = str(raised.value)
+    assert "during a generation" in message and "server's log" in message
+    assert "Traceback" not in message and "File " not in message and "secret_path" not in message
+    assert "Traceback" in caplog.text and "secret_path" in caplog.text
+
+
 async def test_a_file_that_does_not_load_raises_the_childs_reason(tmp_path):
     garbage = tmp_path / "garbage.gguf"
     garbage.write_bytes(b"this is not a model" * 100)

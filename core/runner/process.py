@@ -57,7 +57,7 @@ ENV_PREFIXES = (
 
 
 class RunnerLoadError(RunnerError):
-    """The runner process could not load the model; the message carries its reason and last log lines."""
+    """The runner process could not load the model; the message carries its reason (its last log lines go to the log)."""
 
 
 class RunnerDiedError(RunnerError):
@@ -388,8 +388,14 @@ class RunnerProcess:
         raise RunnerLoadError(f"the runner failed to load the model: {reason}{self._tail()}")
 
     def _tail(self, count: int = LOG_TAIL) -> str:
+        """The child's last log lines into this process's log, and a pointer to them for an error's message.
+
+        Not the lines themselves: a message reaches HTTP clients, and the lines are often a traceback."""
         lines = list(self._log_tail)[-count:]
-        return "; its last log lines:\n" + "\n".join("  " + line for line in lines) if lines else ""
+        if not lines:
+            return ""
+        log.warning("runner pid %s's last log lines:\n%s", self.pid, "\n".join("  " + line for line in lines))
+        return " (its last log lines are in the server's log)"
 
     async def _forward_log(self) -> None:
         """The child's stderr, line by line, into our `corral.runner` log at the level each line was logged."""
