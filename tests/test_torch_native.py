@@ -308,6 +308,33 @@ def test_the_logits_ranking_copy_is_column_grouped_where_its_kernel_runs():
     assert torch.allclose(layer.coarse(x), blocks.coarse(x), rtol=1e-5, atol=1e-5)
 
 
+# --- top k of rows (the logits' exact candidates) ---------------------------------------------------
+@needs_native("topk_rows")
+@pytest.mark.parametrize(("n", "k"), [(1, 1), (37, 5), (4096, 128), (262144, 128), (300, 300)])
+def test_topk_rows_gives_torchs_top_values_largest_first(n, k):
+    x = randn(5, n, seed=11)
+    values, indices = torch_native.topk_rows(x, k)
+    expected = torch.topk(x, k, dim=-1)
+    assert torch.equal(values, expected.values)  # no ties in random floats: the same entries, in order
+    assert torch.equal(indices, expected.indices) and indices.dtype == torch.int64
+    for i in range(5):  # a row's answer is its own
+        assert torch.equal(torch_native.topk_rows(x[i : i + 1], k)[1][0], indices[i])
+
+
+@needs_native("topk_rows")
+def test_topk_rows_ranks_ties_by_index_and_nan_last():
+    x = torch.tensor([[1.0, 3.0, 3.0, float("nan"), 2.0, 3.0, -float("inf"), 0.5] * 5])
+    values, indices = torch_native.topk_rows(x, 6)
+    assert indices[0].tolist() == [1, 2, 5, 9, 10, 13]  # of the fifteen 3.0s, the first six by index
+    assert values[0].tolist() == [3.0] * 6
+    nans = torch.full((2, 40), float("nan"))
+    nans[1, 17] = -5.0
+    values, indices = torch_native.topk_rows(nans, 3)
+    assert indices[0].tolist() == [0, 1, 2] and values[0].tolist() == [-float("inf")] * 3  # every index valid
+    assert indices[1, 0].item() == 17 and values[1, 0].item() == -5.0
+    assert not torch_native.takes_topk_rows(torch.zeros(2, 4), 5) and not torch_native.takes_topk_rows(torch.zeros(2, 4, dtype=torch.bfloat16), 2)
+
+
 # --- int8 rows --------------------------------------------------------------------------------------
 @needs_native("int8_rows_matmul")
 @pytest.mark.parametrize(("rows", "cols"), [(16, 32), (64, 640), (32, 4128)])  # 4128: past a flush of the int32 sums

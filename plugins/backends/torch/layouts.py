@@ -588,8 +588,16 @@ class RescoredLogits:
         logits = self.approximate(x)
         if not len(x):
             return logits
-        top = topk(logits, min(RESCORE_TOP, logits.shape[1]))[1]  # [rows, k]
+        top = _top_ids(logits, min(RESCORE_TOP, logits.shape[1]))  # [rows, k]
         weights = self.exact.rows(top).view(*top.shape, self.exact.cols)  # [rows, k, in]
         # A product and a sum over `in` per candidate: the same bits whatever the batch.
         logits.scatter_(1, top, (weights * x.float()[:, None, :]).sum(-1))
         return logits
+
+
+def _top_ids(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """The indices of each row's k largest logits: one native pass over each row where it runs
+    (measured: BENCHMARKS.md, "The vocabulary projection at several rows"), else corral.topk."""
+    if native.takes_topk_rows(logits, k):
+        return native.topk_rows(logits, k)[1]
+    return topk(logits, k)[1]

@@ -188,6 +188,7 @@ SIGNATURES = {
     "int8_rows_matmul": ("int8_rows", (_ptr, _int, _i64, _i64, _ptr, _ptr, _i64, _ptr, _int)),
     "int4_blocks_added": ("int4_blocks", (_ptr, _int, _i64, _i64, _ptr, _ptr, _ptr, _int, _i64, _ptr, ctypes.c_float, _ptr, _ptr, _int)),
     "int4_columns_coarse": ("int4_columns", (_ptr, _int, _i64, _i64, _ptr, _ptr, _ptr, _int, _i64, _ptr, _int)),
+    "topk_rows": ("topk_rows", (_ptr, _i64, _i64, _i64, _ptr, _ptr, _int)),
     "int8_rows_added": ("int8_rows", (_ptr, _int, _i64, _i64, _ptr, _ptr, _i64, _ptr, ctypes.c_float, _ptr, _ptr, _int)),
     "int8_rows_normed": ("int8_rows", (_ptr, _int, _i64, _i64, _ptr, ctypes.c_float, _ptr, _ptr, _i64, _ptr, _int)),
     "int8_two_levels": ("int8_rows", (_ptr, _int, _i64, _i64, _ptr, _ptr, _int)),
@@ -298,6 +299,22 @@ def int4_columns_coarse(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tens
     ):  # fmt: skip
         raise MemoryError("native int4 columns kernel could not allocate its quantized rows")
     return out
+
+
+def takes_topk_rows(x: torch.Tensor, k: int) -> bool:
+    """Whether `topk_rows` takes x [rows, n] (float32 on the CPU) and k."""
+    return x.device.type == "cpu" and x.dtype is torch.float32 and x.dim() == 2 and 0 < k <= x.shape[1] and has("topk_rows")
+
+
+def topk_rows(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest values of each row of x [rows, n] and their int64 indices, largest first, of
+    equal values the lower index first (native/common/topk_rows.c): one pass over each row."""
+    x = x if x.is_contiguous() else x.contiguous()
+    rows, n = x.shape
+    values, indices = torch.empty((rows, k), dtype=torch.float32), torch.empty((rows, k), dtype=torch.int64)
+    if rows:
+        function("topk_rows")(x.data_ptr(), rows, n, k, values.data_ptr(), indices.data_ptr(), torch.get_num_threads())
+    return values, indices
 
 
 def int4_blocks_normed(
