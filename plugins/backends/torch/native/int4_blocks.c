@@ -142,9 +142,10 @@ INLINE void tail_step(const uint8_t *wc, const void *scales, int half, int64_t p
 }
 
 /* 16 output rows (a group) times up to ROW_TILE activation rows. Scales and mins are float16
- * when `half` (a constant in each inlined copy), else float32. */
+ * when `half` (a constant in each inlined copy), else float32. `prefetch`: the group's first pass
+ * over several rows, which asks for its codes ahead (PREFETCH_AHEAD). */
 INLINE void group(const uint8_t *codes, const void *scales, const void *mins, int half, int64_t K, const int16_t *xq,
-                  int64_t stride, const float *xs, const float *xsums, int rows, float *y, int64_t ldy)
+                  int64_t stride, const float *xs, const float *xsums, int rows, int prefetch, float *y, int64_t ldy)
 {
     const int64_t blocks = K / 32;
     const size_t width = half ? 2 : 4;
@@ -156,8 +157,11 @@ INLINE void group(const uint8_t *codes, const void *scales, const void *mins, in
         for (int t = 0; t < ROW_TILE; t++)
             a[t] = _mm512_setzero_ps();
         int64_t p = 0;
-        for (; p < K / 128; p++)
+        for (; p < K / 128; p++) {
+            if (prefetch)
+                _mm_prefetch((const char *)(wc + 64 * p) + PREFETCH_AHEAD, _MM_HINT_T0);
             chunk_step(wc, ws, half, p, xq, stride, rows, a);
+        }
         if (K % 128)
             tail_step(wc, ws, half, p, xq, stride, rows, a);
         for (int t = 0; t < rows; t++)
@@ -270,9 +274,9 @@ void int4_blocks_matmul(const void *x, int x_bf16, int64_t M, int64_t K, const u
         else if (coarse)                                                                                              \
             coarse_group(c, s, mn, 0, K, q8, stride, qs, qsums, R, out, N);                                           \
         else if (half)                                                                                                \
-            group(c, s, mn, 1, K, q, stride, qs, qsums, R, out, N);                                                   \
+            group(c, s, mn, 1, K, q, stride, qs, qsums, R, m == 0 && M > 1, out, N);                                  \
         else                                                                                                          \
-            group(c, s, mn, 0, K, q, stride, qs, qsums, R, out, N);                                                   \
+            group(c, s, mn, 0, K, q, stride, qs, qsums, R, m == 0 && M > 1, out, N);                                  \
     } while (0)
             FOR_ROW_COUNT(rows, GROUP);
 #undef GROUP

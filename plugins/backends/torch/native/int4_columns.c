@@ -53,9 +53,11 @@ INLINE __m512 load_group_values(const void *values, int half, int64_t at)
     return _mm512_loadu_ps((const float *)values + at);
 }
 
-/* One group of 16 output rows times `rows` (<= ROW_TILE) activation rows, into y[t][0..15]. */
+/* One group of 16 output rows times `rows` (<= ROW_TILE) activation rows, into y[t][0..15];
+ * `prefetch`: the group's first pass over several rows, which asks for its codes ahead. */
 INLINE void columns_group(const uint8_t *codes, const void *scales, const void *mins, int half, int64_t blocks,
-                          const int8_t *xq, const float *xs, const float *xsums, int rows, float *y, int64_t ldy)
+                          const int8_t *xq, const float *xs, const float *xsums, int rows, int prefetch, float *y,
+                          int64_t ldy)
 {
     const __m512i low = _mm512_set1_epi8(0x0F);
     const int64_t K = 32 * blocks;
@@ -64,6 +66,9 @@ INLINE void columns_group(const uint8_t *codes, const void *scales, const void *
         acc[t] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *w = codes + 256 * b;
+        if (prefetch)
+            for (int line = 0; line < 256; line += 64)
+                _mm_prefetch((const char *)w + line + PREFETCH_AHEAD, _MM_HINT_T0);
         __m512i even[ROW_TILE], odd[ROW_TILE]; /* two chains of multiply-adds a row, summed once */
         for (int t = 0; t < ROW_TILE; t++)
             even[t] = odd[t] = _mm512_setzero_si512();
@@ -119,9 +124,9 @@ int int4_columns_coarse(const void *x, int x_bf16, int64_t M, int64_t K, const u
 #define GROUP(R)                                                                                                      \
     do {                                                                                                              \
         if (half)                                                                                                     \
-            columns_group(c, s, mn, 1, blocks, q, qs, qsums, R, out, N);                                              \
+            columns_group(c, s, mn, 1, blocks, q, qs, qsums, R, m == 0 && M > 1, out, N);                             \
         else                                                                                                          \
-            columns_group(c, s, mn, 0, blocks, q, qs, qsums, R, out, N);                                              \
+            columns_group(c, s, mn, 0, blocks, q, qs, qsums, R, m == 0 && M > 1, out, N);                             \
     } while (0)
             FOR_ROW_COUNT(rows, GROUP);
 #undef GROUP

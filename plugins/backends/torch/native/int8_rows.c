@@ -27,9 +27,10 @@ static void quantize_row(const void *x, int bf16, int64_t row, int64_t K, int16_
         _mm256_storeu_si256((__m256i *)(codes + k), codes16(x, bf16, base + k, inv));
 }
 
-/* 16 output rows (a group) times up to ROW_TILE activation rows. */
+/* 16 output rows (a group) times up to ROW_TILE activation rows; `prefetch`: the group's first pass
+ * over several rows, which asks for its weights ahead (PREFETCH_AHEAD). */
 INLINE void group(const int8_t *codes, const uint16_t *scales, int64_t K, const int16_t *xq, const float *xs, int rows,
-                  float *y, int64_t ldy)
+                  int prefetch, float *y, int64_t ldy)
 {
     __m512 acc[ROW_TILE][16];
     for (int n = 0; n < 16; n++) {
@@ -43,6 +44,8 @@ INLINE void group(const int8_t *codes, const uint16_t *scales, int64_t K, const 
             for (int t = 0; t < ROW_TILE; t++)
                 dots[t] = _mm512_setzero_si512();
             for (int64_t k = k0; k < k1; k += 32) {
+                if (prefetch && (k & 63) == 0)
+                    _mm_prefetch((const char *)(w + k) + PREFETCH_AHEAD, _MM_HINT_T0);
                 __m512i w16 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(w + k)));
                 for (int t = 0; t < rows; t++)
                     dots[t] = DOT16(dots[t], w16, _mm512_loadu_si512(xq + t * K + k));
@@ -76,7 +79,7 @@ void int8_rows_matmul(const void *x, int x_bf16, int64_t M, int64_t K, const int
             const int8_t *c = codes + 16 * g * K;
             const int16_t *q = xq + m * K;
             float *out = y + m * N + 16 * g;
-#define GROUP(R) group(c, scales + 16 * g, K, q, xs + m, R, out, N)
+#define GROUP(R) group(c, scales + 16 * g, K, q, xs + m, R, m == 0 && M > 1, out, N)
             FOR_ROW_COUNT(rows, GROUP);
 #undef GROUP
         }
