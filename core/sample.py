@@ -245,7 +245,7 @@ class SamplerChain:
         """Run every step over the rows that need it: the final logits [B, V], -inf where masked."""
         values, ids, _active_rows = self._candidates(logits, seqs)
         if ids is None:
-            return values
+            return values.clone() if values is logits else values  # never the caller's own tensor
         return torch.full(logits.shape, float("-inf"), device=values.device).scatter_(1, ids, values)
 
     def _candidates(
@@ -254,13 +254,15 @@ class SamplerChain:
         """The final logits [B, V] and None; or, once a step narrowed every row, the final logits of
         the candidates [B, k] and their token ids. Also each step's active rows. `defer`: leave out the
         steps that can check a drawn token instead (`allows`: the grammar)."""
-        out = logits.to(torch.float32, copy=True)
-        params = BatchParams(seqs, out.device, self.fields)
-        ids = None
         active = [
             [] if defer and hasattr(step, "allows") else [row for row, seq in enumerate(seqs) if _active(step, seq)]
             for _, step in self.steps
         ]
+        # Steps may change their rows in place: they get a copy. With none active (greedy rows
+        # without penalties) the logits are read as they are.
+        out = logits.to(torch.float32, copy=True) if any(active) else logits.float()
+        params = BatchParams(seqs, out.device, self.fields)
+        ids = None
         for index, ((_name, step), rows) in enumerate(zip(self.steps, active)):
             if ids is None and len(rows) == len(seqs) and self._narrows(step, index, active, params, out.shape[1]):
                 out, ids = step.candidates(out, params)

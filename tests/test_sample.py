@@ -55,6 +55,20 @@ def test_standard_samplers_are_registered_through_the_entry_point(monkeypatch):
     assert [name for name in names if name in STANDARD_ORDER] == STANDARD_ORDER
 
 
+@pytest.mark.parametrize("options", [{"temperature": 0}, {"temperature": 0, "repeat_penalty": 1.5}, {"temperature": 0.7, "top_k": 2}])
+def test_the_chain_never_changes_or_hands_back_the_callers_logits(chain, options):
+    # With no step active (greedy, no penalty) the logits are read in place: the caller's stay as they
+    # were, and process() still returns a tensor of its own.
+    logits = torch.tensor([[0.5, 2.0, -1.0, 2.5], [3.0, 0.0, 1.0, -2.0]])
+    before = logits.clone()
+    seqs = [seq((3,), **options), seq((2,), **options)]
+    result = chain.sample(logits, seqs)
+    processed = chain.process(logits, seqs)
+    assert torch.equal(logits, before) and processed.data_ptr() != logits.data_ptr()
+    if options["temperature"] == 0:  # penalised, 2.5 / 1.5 falls below 2.0
+        assert result.tokens == ([1, 0] if "repeat_penalty" in options else [3, 0])
+
+
 @pytest.mark.parametrize(
     ("logits", "options", "expected"),
     [
