@@ -297,6 +297,25 @@ def test_int4_columns_rank_like_the_blocks_coarse_mode_and_keep_their_bits_alone
         torch.set_num_threads(2)
 
 
+@pytest.mark.slow  # compiles the kernels
+@pytest.mark.parametrize(("flags", "variant"), [(("avx512f", "avx512bw"), "avx512"), (("avx2", "fma", "f16c"), "avx2")])
+def test_int4_columns_are_within_int8_rounding_in_each_variant(fresh_native, monkeypatch, flags, variant):
+    """Both builds read the same layout: products within the int8 rounding bound, rows alone = batched."""
+    if not _cpu_has(*flags):
+        pytest.skip(f"this CPU has no {variant}")
+    monkeypatch.setattr(torch_native, "_cpu_features", lambda: "flags\t\t: fpu " + " ".join(flags))
+    layer, _, weight = random_columns(48, 1056, half=True, seed=9)
+    assert torch_native.loaded_variant("int4_columns") == variant
+    x = randn(9, 1056, seed=10)
+    x[:, 3] *= 50
+    got = layer.coarse(x)
+    expected = x.double() @ weight.double().T
+    bound = (x.double().view(9, -1, 32).abs().amax(-1) / 254) @ weight.double().abs().view(48, -1, 32).sum(-1).T
+    assert ((got.double() - expected).abs() <= bound * 1.0001 + 1e-5 * expected.abs().max()).all()
+    for i in range(9):
+        assert torch.equal(layer.coarse(x[i : i + 1])[0], got[i])
+
+
 @needs_native("int4_columns_coarse")
 def test_the_logits_ranking_copy_is_column_grouped_where_its_kernel_runs():
     values = np.random.default_rng(6).normal(0, 0.05, (64, 128)).astype(np.float32)

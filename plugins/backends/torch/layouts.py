@@ -21,8 +21,8 @@ whatever else is in the batch (batch invariance, see the package docstring):
                 from the file. The copy is off by up to ~4 logits, but the true best token ranked
                 within its top 4 on every reference step, so argmax, top-k sampling and the
                 reported logprobs see exact values; only the far tail stays approximate.
-                On AVX-512 the copy is an `Int4Columns`: laid out by output row, for ranking
-                several rows (concurrent streams' decode tokens) at once.
+                With the native kernels the copy is an `Int4Columns`: laid out by output row, for
+                ranking several rows (concurrent streams' decode tokens) at once.
 """
 
 from __future__ import annotations
@@ -268,7 +268,8 @@ class Int4Columns:
     multiply-add serves all 16, a scale and min per 32 weights. Only coarse products: where
     int4_blocks.c's coarse mode converts and scales every 128 products of every row, this does
     it once per 32 products for 16 outputs (measured: BENCHMARKS.md, "The vocabulary projection
-    at several rows"). Where there is no such kernel (AVX2), the copy is an Int4Blocks."""
+    at several rows"). AVX-512 and AVX2 kernels read the same layout; without either, the copy is
+    an Int4Blocks or torch's int4."""
 
     codes: torch.Tensor  # uint8 [out // 16, 8 * in]: per group, per block of 32, 4 quarters of 64 bytes
     scales: torch.Tensor  # [out // 16, in // 32, 16], float16 where exact, else float32
