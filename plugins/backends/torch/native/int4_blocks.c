@@ -142,8 +142,8 @@ INLINE void tail_step(const uint8_t *wc, const void *scales, int half, int64_t p
 }
 
 /* 16 output rows (a group) times up to ROW_TILE activation rows. Scales and mins are float16
- * when `half` (a constant in each inlined copy), else float32. `prefetch`: the group's first pass
- * over several rows, which asks for its codes ahead (PREFETCH_AHEAD). */
+ * when `half` (a constant in each inlined copy), else float32. `prefetch`: the group's first pass,
+ * which asks for its codes ahead (PREFETCH_AHEAD). */
 INLINE void group(const uint8_t *codes, const void *scales, const void *mins, int half, int64_t K, const int16_t *xq,
                   int64_t stride, const float *xs, const float *xsums, int rows, int prefetch, float *y, int64_t ldy)
 {
@@ -274,9 +274,9 @@ void int4_blocks_matmul(const void *x, int x_bf16, int64_t M, int64_t K, const u
         else if (coarse)                                                                                              \
             coarse_group(c, s, mn, 0, K, q8, stride, qs, qsums, R, out, N);                                           \
         else if (half)                                                                                                \
-            group(c, s, mn, 1, K, q, stride, qs, qsums, R, m == 0 && M > 1, out, N);                                  \
+            group(c, s, mn, 1, K, q, stride, qs, qsums, R, m == 0, out, N);                                           \
         else                                                                                                          \
-            group(c, s, mn, 0, K, q, stride, qs, qsums, R, m == 0 && M > 1, out, N);                                  \
+            group(c, s, mn, 0, K, q, stride, qs, qsums, R, m == 0, out, N);                                           \
     } while (0)
             FOR_ROW_COUNT(rows, GROUP);
 #undef GROUP

@@ -54,7 +54,7 @@ INLINE __m512 load_group_values(const void *values, int half, int64_t at)
 }
 
 /* One group of 16 output rows times `rows` (<= ROW_TILE) activation rows, into y[t][0..15];
- * `prefetch`: the group's first pass over several rows, which asks for its codes ahead. */
+ * `prefetch`: the group's first pass, which asks for its codes ahead. */
 INLINE void columns_group(const uint8_t *codes, const void *scales, const void *mins, int half, int64_t blocks,
                           const int8_t *xq, const float *xs, const float *xsums, int rows, int prefetch, float *y,
                           int64_t ldy)
@@ -124,9 +124,9 @@ int int4_columns_coarse(const void *x, int x_bf16, int64_t M, int64_t K, const u
 #define GROUP(R)                                                                                                      \
     do {                                                                                                              \
         if (half)                                                                                                     \
-            columns_group(c, s, mn, 1, blocks, q, qs, qsums, R, m == 0 && M > 1, out, N);                             \
+            columns_group(c, s, mn, 1, blocks, q, qs, qsums, R, m == 0, out, N);                                      \
         else                                                                                                          \
-            columns_group(c, s, mn, 0, blocks, q, qs, qsums, R, m == 0 && M > 1, out, N);                             \
+            columns_group(c, s, mn, 0, blocks, q, qs, qsums, R, m == 0, out, N);                                      \
     } while (0)
             FOR_ROW_COUNT(rows, GROUP);
 #undef GROUP

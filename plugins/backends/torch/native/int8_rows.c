@@ -27,8 +27,8 @@ static void quantize_row(const void *x, int bf16, int64_t row, int64_t K, int16_
         _mm256_storeu_si256((__m256i *)(codes + k), codes16(x, bf16, base + k, inv));
 }
 
-/* 16 output rows (a group) times up to ROW_TILE activation rows; `prefetch`: the group's first pass
- * over several rows, which asks for its weights ahead (PREFETCH_AHEAD). */
+/* 16 output rows (a group) times up to ROW_TILE activation rows; `prefetch`: the group's first pass,
+ * which asks for its weights ahead (PREFETCH_AHEAD). */
 INLINE void group(const int8_t *codes, const uint16_t *scales, int64_t K, const int16_t *xq, const float *xs, int rows,
                   int prefetch, float *y, int64_t ldy)
 {
@@ -79,7 +79,7 @@ void int8_rows_matmul(const void *x, int x_bf16, int64_t M, int64_t K, const int
             const int8_t *c = codes + 16 * g * K;
             const int16_t *q = xq + m * K;
             float *out = y + m * N + 16 * g;
-#define GROUP(R) group(c, scales + 16 * g, K, q, xs + m, R, m == 0 && M > 1, out, N)
+#define GROUP(R) group(c, scales + 16 * g, K, q, xs + m, R, m == 0, out, N)
             FOR_ROW_COUNT(rows, GROUP);
 #undef GROUP
         }

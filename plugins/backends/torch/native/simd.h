@@ -27,10 +27,10 @@
     case 7: CALL(7); break;                                                                                           \
     default: CALL(8); break;                                                                                          \
     }
-/* How far ahead of a weight stream the matmul kernels prefetch when they multiply several rows:
- * there each weight byte takes long enough to compute with that the hardware prefetcher alone left
- * int8 rows at 8 rows reading 10 GB/s from memory (BENCHMARKS.md, "The vocabulary projection at
- * several rows"). One row keeps the hardware's: prefetching measured no better there. */
+/* How far ahead of a weight stream the matmul kernels prefetch on their first pass over a group:
+ * with 8 rows the hardware prefetcher alone left int8 rows reading 10 GB/s from memory, and on an
+ * Intel Xeon one-row decode steps were 10% slower without it (on Zen 4 at one row it measured
+ * -5% to +1%). BENCHMARKS.md, "The vocabulary projection at several rows". */
 #define PREFETCH_AHEAD 4096
 
 /* Activation rows from which the kernels quantize them on all threads. */
