@@ -26,7 +26,7 @@ from corral.plugins.backends.torch.graph import GraphCache
 from corral.plugins.backends.torch.kv_cells import QuantizedCells, refusal
 from corral.plugins.backends.torch.int4_packing import pack_int4_for_cpu, pack_int4_for_cuda
 from corral.plugins.backends.torch.sharding import shard_tensor
-from corral.plugins.backends.torch.layouts import DenseWeight, Int4Blocks, Int4Weight, Int8Weight, MappedRows, RescoredLogits, requantized_int4
+from corral.plugins.backends.torch.layouts import DenseWeight, Int4Blocks, Int4Columns, Int4Weight, Int8Weight, MappedRows, RescoredLogits, requantized_int4
 from corral.plugins.backends.torch.rope import RopeRows
 
 INT4_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q4_K})
@@ -208,7 +208,7 @@ class TorchBackend:
         rows_multiple = 8 if self.device.type == "cuda" else 16
         return info.shape[0] % rows_multiple == 0 and info.shape[1] % INT4_GROUP == 0
 
-    def _approximate_logits(self, raw: torch.Tensor, info: TensorInfo) -> Int4Weight | Int8Weight:
+    def _approximate_logits(self, raw: torch.Tensor, info: TensorInfo) -> Int4Columns | Int4Blocks | Int4Weight | Int8Weight:
         if approximates_in_int4(*info.shape):
             return requantized_int4(raw, info.qtype, info.shape[-1], columns=True)
         return Int8Weight.from_gguf(raw, info.qtype, info.shape[-1])
