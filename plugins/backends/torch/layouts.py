@@ -256,20 +256,16 @@ class Int4Blocks:
 
         return call
 
-    def coarse(self, x: torch.Tensor) -> torch.Tensor:
-        """Products with int8 activations (a scale per 32): faster, for ranking candidates."""
-        return native.int4_blocks_matmul(x, self.codes, self.scales, self.mins, coarse=True)
-
 
 @attrs.frozen
 class Int4Columns:
     """The vocabulary projection's 4-bit copy laid out for ranking several rows at once
     (native/int4_columns.c): each group of 16 output rows' codes interleaved so that one int8
     multiply-add serves all 16, a scale and min per 32 weights. Only coarse products: where
-    int4_blocks.c's coarse mode converts and scales every 128 products of every row, this does
-    it once per 32 products for 16 outputs (measured: BENCHMARKS.md, "The vocabulary projection
-    at several rows"). AVX-512 and AVX2 kernels read the same layout; without either, the copy is
-    an Int4Blocks or torch's int4."""
+    Int4Blocks' kernel (and its coarse mode, which this replaced) converts and scales every 128
+    products of every row, this does it once per 32 products for 16 outputs (measured:
+    BENCHMARKS.md, "The vocabulary projection at several rows"). AVX-512 and AVX2 kernels read the
+    same layout; where neither builds, the copy is torch's int4 (Int4Weight)."""
 
     codes: torch.Tensor  # uint8 [out // 16, 8 * in]: per group, per block of 32, 4 quarters of 64 bytes
     scales: torch.Tensor  # [out // 16, in // 32, 16], float16 where exact, else float32
@@ -583,7 +579,7 @@ class RescoredLogits:
     def approximate(self, x: torch.Tensor) -> torch.Tensor:
         """float32 logits that rank the candidates and stand for the unlikely rest. Coarse int8
         activations move them by about a tenth of what the 4-bit weights already do."""
-        return self.approx.coarse(x) if isinstance(self.approx, (Int4Blocks, Int4Columns)) else self.approx._kernel(x).float()
+        return self.approx.coarse(x) if isinstance(self.approx, Int4Columns) else self.approx._kernel(x).float()
 
     def matmul(self, x: torch.Tensor, runs: Runs = None) -> torch.Tensor:
         logits = self.approximate(x)

@@ -183,7 +183,7 @@ class RowAttentionArgs(ctypes.Structure):
 
 # function -> (source file, argument types)
 SIGNATURES = {
-    "int4_blocks_matmul": ("int4_blocks", (_ptr, _int, _i64, _i64, _ptr, _ptr, _ptr, _int, _i64, _ptr, _int, _int)),
+    "int4_blocks_matmul": ("int4_blocks", (_ptr, _int, _i64, _i64, _ptr, _ptr, _ptr, _int, _i64, _ptr, _int)),
     "int4_blocks_normed": ("int4_blocks", (_ptr, _int, _i64, _i64, _ptr, ctypes.c_float, _ptr, _ptr, _ptr, _int, _i64, _ptr, _int)),
     "int8_rows_matmul": ("int8_rows", (_ptr, _int, _i64, _i64, _ptr, _ptr, _i64, _ptr, _int)),
     "int4_blocks_added": ("int4_blocks", (_ptr, _int, _i64, _i64, _ptr, _ptr, _ptr, _int, _i64, _ptr, ctypes.c_float, _ptr, _ptr, _int)),
@@ -266,13 +266,9 @@ def _floats(x: torch.Tensor) -> torch.Tensor:
     return x if x.is_contiguous() else x.contiguous()
 
 
-def int4_blocks_matmul(
-    x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, coarse: bool = False
-) -> torch.Tensor:
+def int4_blocks_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
     """x [rows, in] (float32 or bf16) times the 4-bit weight's transpose -> float32 [rows, out]
-    (layout and arithmetic: native/int4_blocks.c; scales and mins both float16 or both float32).
-    `coarse`: int8 activations (a scale per 32), faster at several rows, for ranking candidates
-    (measured: BENCHMARKS.md, Measurements behind code decisions)."""
+    (layout and arithmetic: native/int4_blocks.c; scales and mins both float16 or both float32)."""
     x = _floats(x)
     rows, cols = x.shape
     out = torch.empty((rows, codes.shape[0]), dtype=torch.float32)
@@ -280,8 +276,7 @@ def int4_blocks_matmul(
         # Pointers are read at each call: stacking may move a weight's storage after load.
         function("int4_blocks_matmul")(
             x.data_ptr(), x.dtype is torch.bfloat16, rows, cols, codes.data_ptr(), scales.data_ptr(),
-            mins.data_ptr(), scales.dtype is torch.float16, codes.shape[0], out.data_ptr(), coarse,
-            torch.get_num_threads(),
+            mins.data_ptr(), scales.dtype is torch.float16, codes.shape[0], out.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
     return out
 

@@ -28,9 +28,6 @@
 #include "rms_norm.c" /* rms_norm: int4_blocks_normed norms its rows first with the same code */
 
 
-/* Bytes of a coarse activation row: whole chunks of 128, a 64-element tail padded with zeros. */
-INLINE int64_t chunked(int64_t K) { return (K + 127) / 128 * 128; }
-
 /* One activation row -> int16 codes laid out like the unpacked weights (per chunk of B blocks, 4 or
  * a tail's 2: elements 0-7 of each of its blocks, then 8-15, 16-23 and 24-31 of each; K codes in
  * all), the row's scale, and each block's sum of the unquantized values (for the mins). */
@@ -68,8 +65,7 @@ INLINE __m512 min16(const void *mins, int half, int64_t i)
     return _mm512_loadu_ps((const float *)mins + i);
 }
 
-/* Row t's 16 outputs: sum16(acc[t]) times the row's scale (none when xs is NULL: already applied),
- * plus the mins times the row's block sums. */
+/* Row t's 16 outputs: sum16(acc[t]) times the row's scale, plus the mins times the row's block sums. */
 INLINE void store_rows(__m512 acc[][16], const void *mins, int half, int64_t blocks, const float *xs, const float *xsums,
                        int rows, float *y, int64_t ldy)
 {
@@ -79,7 +75,7 @@ INLINE void store_rows(__m512 acc[][16], const void *mins, int half, int64_t blo
         for (int64_t b = 0; b < blocks; b++)
             m = _mm512_fmadd_ps(min16(mins, half, 16 * b), _mm512_set1_ps(xsums[t * blocks + b]), m);
         const __m512 sums = sum16(acc[t]);
-        _mm512_storeu_ps(y + t * ldy, xs ? _mm512_fmadd_ps(sums, _mm512_set1_ps(xs[t]), m) : _mm512_add_ps(sums, m));
+        _mm512_storeu_ps(y + t * ldy, _mm512_fmadd_ps(sums, _mm512_set1_ps(xs[t]), m));
     }
 }
 
@@ -91,14 +87,6 @@ INLINE __m128 scale_quad(const void *scales, int half, int64_t b, int count)
     if (half)
         return _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)((const uint16_t *)scales + b)));
     return _mm_loadu_ps((const float *)scales + b);
-}
-
-/* A chunk's two halves (64 bytes, or a 2-block tail's 32) as 64 bytes: the second half at byte 32. */
-INLINE __m512i chunk_bytes(const uint8_t *c, int count)
-{
-    if (count == 4)
-        return _mm512_loadu_si512(c);
-    return _mm512_inserti32x4(_mm512_zextsi128_si512(_mm_loadu_si128((const __m128i *)c)), _mm_loadu_si128((const __m128i *)(c + 16)), 2);
 }
 
 /* One 4-block chunk p of a weight row times up to ROW_TILE activation rows, into their accumulators. */
@@ -170,113 +158,37 @@ INLINE void group(const uint8_t *codes, const void *scales, const void *mins, in
     store_rows(acc, mins, half, blocks, xs, xsums, rows, y, ldy);
 }
 
-/* The coarse mode: one activation row -> int8 codes with a scale per block of 32 (as ggml's
- * Q8_0), 128 elements a chunk laid out like the chunk's unpacked bytes (low nibbles: elements 0-7 of
- * each of its 4 blocks, then 8-15; high nibbles: 16-23, then 24-31; a tail chunk zeros its blocks
- * 2 and 3), and each chunk's block scales spread over 16 lanes as its sums will lie (SUM_BLOCK). */
-static const int32_t SUM_BLOCK[16] = {0, 0, 1, 1, 2, 2, 3, 3, 0, 0, 1, 1, 2, 2, 3, 3}; /* a 4-byte lane's block */
-
-static void quantize_row8(const void *x, int bf16, int64_t row, int64_t K, int8_t *codes, float *spread, float *sums)
-{
-    const int64_t base = row * K;
-    memset(codes, 0, (size_t)chunked(K));
-    memset(spread, 0, (size_t)(chunked(K) / 8) * sizeof(float));
-    for (int64_t b = 0; b < K / 32; b++) {
-        const int64_t at = base + 32 * b;
-        __m512 first = load16_all(x, bf16, at), last = load16_all(x, bf16, at + 16);
-        const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(first), _mm512_abs_ps(last)));
-        const __m512 inv = _mm512_set1_ps(top > 0.0f ? 127.0f / top : 0.0f);
-        sums[b] = _mm512_reduce_add_ps(_mm512_add_ps(first, last));
-        for (int l = 0; l < 16; l++)
-            if (SUM_BLOCK[l] == b % 4)
-                spread[16 * (b / 4) + l] = top / 127.0f;
-        const __m128i lo = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(first, inv)));
-        const __m128i hi = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(last, inv)));
-        int8_t *c = codes + 128 * (b / 4) + 8 * (b % 4);
-        _mm_storel_epi64((__m128i *)c, lo);
-        _mm_storel_epi64((__m128i *)(c + 32), _mm_unpackhi_epi64(lo, lo));
-        _mm_storel_epi64((__m128i *)(c + 64), hi);
-        _mm_storel_epi64((__m128i *)(c + 96), _mm_unpackhi_epi64(hi, hi));
-    }
-}
-
-/* `group` in the coarse mode: u8 weights times s8 activations (vpdpbusd), 128 products of a row
- * in two instructions where `group` needs four: for ranking candidates, not for exact outputs. */
-INLINE void coarse_group(const uint8_t *codes, const void *scales, const void *mins, int half, int64_t K,
-                         const int8_t *xq, int64_t stride, const float *xspread, const float *xsums, int rows,
-                         float *y, int64_t ldy)
-{
-    const __m512i low = _mm512_set1_epi8(0x0F);
-    const __m512i spread = _mm512_loadu_si512(SUM_BLOCK);
-    const int64_t blocks = K / 32;
-    __m512 acc[ROW_TILE][16];
-    for (int n = 0; n < 16; n++) {
-        const uint8_t *wc = codes + n * (K / 2);
-        __m512 a[ROW_TILE];
-        for (int t = 0; t < ROW_TILE; t++)
-            a[t] = _mm512_setzero_ps();
-        for (int64_t p = 0; 128 * p < K; p++) {
-            const int count = K - 128 * p >= 128 ? 4 : 2;
-            __m512i w = chunk_bytes(wc + 64 * p, count);
-            __m512i lo = _mm512_and_si512(w, low), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low);
-            /* lane l holds block 4p + SUM_BLOCK[l]'s sums */
-            __m512 sv = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(scale_quad(scales, half, n * blocks + 4 * p, count)));
-            for (int t = 0; t < rows; t++) {
-                const int8_t *q = xq + t * stride + 128 * p;
-                __m512i s = DOT8(_mm512_setzero_si512(), lo, _mm512_loadu_si512(q));
-                s = DOT8(s, hi, _mm512_loadu_si512(q + 64));
-                const __m512 both = _mm512_mul_ps(sv, _mm512_loadu_ps(xspread + t * (stride / 8) + 16 * p));
-                a[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), both, a[t]);
-            }
-        }
-        for (int t = 0; t < rows; t++)
-            acc[t][n] = a[t];
-    }
-    store_rows(acc, mins, half, blocks, NULL, xsums, rows, y, ldy); /* the activations' scales are in `acc` */
-}
-
 /* y[M][N] (float) = x[M][K] (float, or bf16 when x_bf16) times the weights' transpose; scales and
- * mins float16 when `half`, else float32. N % 16 == 0; mins laid out [N / 16][K / 32][16].
- * `coarse`: int8 activations (a scale per block of 32), faster and ~250 times coarser, for the
- * vocabulary projection's candidate ranking (measured: BENCHMARKS.md, Measurements behind code decisions). */
+ * mins float16 when `half`, else float32. N % 16 == 0; mins laid out [N / 16][K / 32][16]. (The
+ * vocabulary projection's coarse ranking is int4_columns.c's.) */
 void int4_blocks_matmul(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *codes, const void *scales,
-                        const void *mins, int half, int64_t N, float *y, int coarse, int threads)
+                        const void *mins, int half, int64_t N, float *y, int threads)
 {
     if (M <= 0)
         return;
     const size_t width = half ? 2 : 4;
-    const int64_t stride = coarse ? chunked(K) : K; /* bytes of a coarse row, elements of an int16 row */
-    void *xq = aligned_alloc(64, (size_t)(M * stride * (coarse ? 1 : 2) + 63) / 64 * 64);
-    float *xs = malloc((size_t)M * (coarse ? stride / 8 : 1) * sizeof(float)); /* coarse: 16 lanes a chunk */
+    int16_t *xq = aligned_alloc(64, (size_t)(M * K * 2 + 63) / 64 * 64);
+    float *xs = malloc((size_t)M * sizeof(float));
     float *xsums = malloc((size_t)(M * (K / 32)) * sizeof(float));
 #pragma omp parallel for num_threads(threads) schedule(static) if (M >= PARALLEL_QUANTIZE_ROWS)
-    for (int64_t m = 0; m < M; m++) {
-        if (coarse)
-            quantize_row8(x, x_bf16, m, K, (int8_t *)xq + m * stride, xs + m * (stride / 8), xsums + m * (K / 32));
-        else
-            quantize_row(x, x_bf16, m, K, (int16_t *)xq + m * stride, xs + m, xsums + m * (K / 32));
-    }
+    for (int64_t m = 0; m < M; m++)
+        quantize_row(x, x_bf16, m, K, xq + m * K, xs + m, xsums + m * (K / 32));
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t g = 0; g < N / 16; g++) {
         const uint8_t *c = codes + 16 * g * (K / 2);
         const char *s = (const char *)scales + 16 * g * (K / 32) * width, *mn = (const char *)mins + 16 * g * (K / 32) * width;
         for (int64_t m = 0; m < M; m += ROW_TILE) {
             const int rows = M - m < ROW_TILE ? (int)(M - m) : ROW_TILE;
-            const int16_t *q = (const int16_t *)xq + m * stride;
-            const int8_t *q8 = (const int8_t *)xq + m * stride;
-            const float *qs = xs + m * (coarse ? stride / 8 : 1), *qsums = xsums + m * (K / 32);
+            const int16_t *q = xq + m * K;
+            const float *qs = xs + m, *qsums = xsums + m * (K / 32);
             float *out = y + m * N + 16 * g;
-            /* one copy of the loop per mode and scale width too */
+            /* one copy of the loop per scale width too */
 #define GROUP(R)                                                                                                      \
     do {                                                                                                              \
-        if (coarse && half)                                                                                           \
-            coarse_group(c, s, mn, 1, K, q8, stride, qs, qsums, R, out, N);                                           \
-        else if (coarse)                                                                                              \
-            coarse_group(c, s, mn, 0, K, q8, stride, qs, qsums, R, out, N);                                           \
-        else if (half)                                                                                                \
-            group(c, s, mn, 1, K, q, stride, qs, qsums, R, m == 0, out, N);                                           \
+        if (half)                                                                                                     \
+            group(c, s, mn, 1, K, q, K, qs, qsums, R, m == 0, out, N);                                                \
         else                                                                                                          \
-            group(c, s, mn, 0, K, q, stride, qs, qsums, R, m == 0, out, N);                                           \
+            group(c, s, mn, 0, K, q, K, qs, qsums, R, m == 0, out, N);                                                \
     } while (0)
             FOR_ROW_COUNT(rows, GROUP);
 #undef GROUP
@@ -298,7 +210,7 @@ int int4_blocks_normed(const void *x, int x_bf16, int64_t M, int64_t K, const fl
     if (!normed)
         return -1;
     rms_norm(x, x_bf16, M, K, w, eps, normed, threads);
-    int4_blocks_matmul(normed, 0, M, K, codes, scales, mins, half, N, y, 0, threads);
+    int4_blocks_matmul(normed, 0, M, K, codes, scales, mins, half, N, y, threads);
     free(normed);
     return 0;
 }
@@ -316,7 +228,7 @@ int int4_blocks_added(const void *x, int x_bf16, int64_t M, int64_t K, const uin
     float *product = y;
     if (norm && !(product = malloc((size_t)(M * N) * sizeof(float))))
         return -1;
-    int4_blocks_matmul(x, x_bf16, M, K, codes, scales, mins, half, N, product, 0, threads);
+    int4_blocks_matmul(x, x_bf16, M, K, codes, scales, mins, half, N, product, threads);
     join_residual(product, norm, eps, residual, y, M, N, threads);
     if (product != y)
         free(product);

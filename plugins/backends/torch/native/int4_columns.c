@@ -1,8 +1,9 @@
 /* The vocabulary projection's candidate ranking at several rows: 4-bit weights laid out by output
  * row, int8 activations with a scale per block of 32, AVX-512 (VNNI where the CPU has it).
  *
- * int4_blocks.c's coarse mode puts a weight row's blocks in the lanes of a vector, so every 128
- * products of every activation row end in a conversion, a multiply and a multiply-add: at 8 rows
+ * The coarse mode int4_blocks.c had before (its layout: a weight row's blocks in the lanes of a
+ * vector) ended every 128 products of every activation row in a conversion, a multiply and a
+ * multiply-add: at 8 rows
  * gemma3's 262144 x 640 projection took 15 of a 34 ms decode step (Intel Xeon, 2 threads; BENCHMARKS.md,
  * "The vocabulary projection at several rows"). Here a vector's 16 int32 lanes are 16 output rows
  * (a group): 4 weights of each, times the same 4 activations broadcast, are one multiply-add, so

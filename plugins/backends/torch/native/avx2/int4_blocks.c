@@ -63,8 +63,8 @@ INLINE __m256 min8(const void *mins, int half, int64_t i)
     return _mm256_loadu_ps((const float *)mins + i);
 }
 
-/* Row t's 16 outputs: the sums of acc[t]'s lanes times the row's scale (none when xs is NULL:
- * already applied), plus the mins times the row's block sums. */
+/* Row t's 16 outputs: the sums of acc[t]'s lanes times the row's scale, plus the mins times the
+ * row's block sums. */
 INLINE void store_rows(__m256 acc[][16], const void *mins, int half, int64_t blocks, const float *xs, const float *xsums,
                        int rows, float *y, int64_t ldy)
 {
@@ -77,14 +77,9 @@ INLINE void store_rows(__m256 acc[][16], const void *mins, int half, int64_t blo
             m1 = _mm256_fmadd_ps(min8(mins, half, 16 * b + 8), s, m1);
         }
         const __m256 s0 = sum8(acc[t]), s1 = sum8(acc[t] + 8);
-        if (xs) {
-            const __m256 r = _mm256_set1_ps(xs[t]);
-            _mm256_storeu_ps(y + t * ldy, _mm256_fmadd_ps(s0, r, m0));
-            _mm256_storeu_ps(y + t * ldy + 8, _mm256_fmadd_ps(s1, r, m1));
-        } else {
-            _mm256_storeu_ps(y + t * ldy, _mm256_add_ps(s0, m0));
-            _mm256_storeu_ps(y + t * ldy + 8, _mm256_add_ps(s1, m1));
-        }
+        const __m256 r = _mm256_set1_ps(xs[t]);
+        _mm256_storeu_ps(y + t * ldy, _mm256_fmadd_ps(s0, r, m0));
+        _mm256_storeu_ps(y + t * ldy + 8, _mm256_fmadd_ps(s1, r, m1));
     }
 }
 
@@ -130,125 +125,35 @@ INLINE void group(const uint8_t *codes, const void *scales, const void *mins, in
     store_rows(acc, mins, half, blocks, xs, xsums, rows, y, ldy);
 }
 
-/* The coarse mode: one activation row -> int8 codes with a scale per block of 32 (as ggml's
- * Q8_0), 128 elements a chunk laid out like the chunk's unpacked weights (the first 16 of each of
- * its 4 blocks, then the last 16 of each; a 64-element tail chunk fills half of each part and
- * zeros the rest), and each chunk's block scales spread over 16 lanes as its sums will lie. */
-static void quantize_row8(const void *x, int bf16, int64_t row, int64_t K, int8_t *codes, float *spread, float *sums)
-{
-    const int64_t base = row * K;
-    memset(codes, 0, (size_t)((K + 127) / 128 * 128));
-    memset(spread, 0, (size_t)((K + 127) / 128 * 16) * sizeof(float));
-    for (int64_t b = 0; b < K / 32; b++) {
-        const int64_t at = base + 32 * b;
-        __m256 v[4];
-        for (int i = 0; i < 4; i++)
-            v[i] = load8_all(x, bf16, at + 8 * i);
-        const float top = reduce_max8(_mm256_max_ps(_mm256_max_ps(abs8(v[0]), abs8(v[1])), _mm256_max_ps(abs8(v[2]), abs8(v[3]))));
-        const __m256 inv = _mm256_set1_ps(top > 0.0f ? 127.0f / top : 0.0f);
-        sums[b] = reduce_add8(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
-        for (int j = 0; j < 4; j++)
-            spread[16 * (b / 4) + 4 * (b % 4) + j] = top / 127.0f;
-        /* |code| <= 127: the saturating packs keep every value; then undo their lane interleave */
-        __m256i first = _mm256_packs_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(v[0], inv)), _mm256_cvtps_epi32(_mm256_mul_ps(v[1], inv)));
-        __m256i last = _mm256_packs_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(v[2], inv)), _mm256_cvtps_epi32(_mm256_mul_ps(v[3], inv)));
-        /* packs' 4-byte lanes hold elements 0-3, 8-11, 16-19, 24-27, 4-7, 12-15, 20-23, 28-31: put them in order */
-        __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(first, last), _mm256_set_epi32(7, 3, 6, 2, 5, 1, 4, 0));
-        int8_t *c = codes + 128 * (b / 4) + 16 * (b % 4);
-        _mm_storeu_si128((__m128i *)c, _mm256_castsi256_si128(bytes));
-        _mm_storeu_si128((__m128i *)(c + 64), _mm256_extracti128_si256(bytes, 1));
-    }
-}
-
-/* `group` in the coarse mode: u8 weights times s8 activations, 32 products a register where
- * `group` takes 16: for ranking candidates, not for exact outputs. */
-INLINE void coarse_group(const uint8_t *codes, const void *scales, const void *mins, int half, int64_t K,
-                         const int8_t *xq, int64_t stride, const float *xspread, const float *xsums, int rows,
-                         int prefetch, float *y, int64_t ldy)
-{
-    const __m256i low = _mm256_set1_epi8(0x0F);
-    const __m256i first_pair = _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0), last_pair = _mm256_set_epi32(3, 3, 3, 3, 2, 2, 2, 2);
-    const int64_t blocks = K / 32;
-    __m256 acc[ROW_TILE][16];
-    for (int n = 0; n < 16; n++) {
-        const uint8_t *wc = codes + n * (K / 2);
-        __m256 a[ROW_TILE];
-        for (int t = 0; t < ROW_TILE; t++)
-            a[t] = _mm256_setzero_ps();
-        for (int64_t p = 0; 128 * p < K; p++) {
-            if (prefetch)
-                _mm_prefetch((const char *)(wc + 64 * p) + PREFETCH_BYTES, _MM_HINT_T0);
-            const int count = K - 128 * p >= 128 ? 4 : 2;
-            /* blocks 4p and 4p + 1 (lanes 0-3 and 4-7 of the sums), then 4p + 2 and 4p + 3 unless this is a tail chunk */
-            __m256i w0 = _mm256_loadu_si256((const __m256i *)(wc + 64 * p));
-            __m256i lo0 = _mm256_and_si256(w0, low), hi0 = _mm256_and_si256(_mm256_srli_epi16(w0, 4), low);
-            const __m256 quad = _mm256_castps128_ps256(scale_quad(scales, half, n * blocks + 4 * p, count));
-            const __m256 sv0 = _mm256_permutevar8x32_ps(quad, first_pair);
-            for (int t = 0; t < rows; t++) {
-                const int8_t *q = xq + t * stride + 128 * p;
-                __m256i s = DOT8(_mm256_setzero_si256(), lo0, _mm256_loadu_si256((const __m256i *)q));
-                s = DOT8(s, hi0, _mm256_loadu_si256((const __m256i *)(q + 64)));
-                const __m256 both = _mm256_mul_ps(sv0, _mm256_loadu_ps(xspread + t * (stride / 8) + 16 * p));
-                a[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), both, a[t]);
-            }
-            if (count == 2)
-                continue;
-            __m256i w1 = _mm256_loadu_si256((const __m256i *)(wc + 64 * p + 32));
-            __m256i lo1 = _mm256_and_si256(w1, low), hi1 = _mm256_and_si256(_mm256_srli_epi16(w1, 4), low);
-            const __m256 sv1 = _mm256_permutevar8x32_ps(quad, last_pair);
-            for (int t = 0; t < rows; t++) {
-                const int8_t *q = xq + t * stride + 128 * p + 32;
-                __m256i s = DOT8(_mm256_setzero_si256(), lo1, _mm256_loadu_si256((const __m256i *)q));
-                s = DOT8(s, hi1, _mm256_loadu_si256((const __m256i *)(q + 64)));
-                const __m256 both = _mm256_mul_ps(sv1, _mm256_loadu_ps(xspread + t * (stride / 8) + 16 * p + 8));
-                a[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), both, a[t]);
-            }
-        }
-        for (int t = 0; t < rows; t++)
-            acc[t][n] = a[t];
-    }
-    store_rows(acc, mins, half, blocks, NULL, xsums, rows, y, ldy); /* the activations' scales are in `acc` */
-}
-
 /* native/int4_blocks.c's int4_blocks_matmul, same arguments and results within the same bounds. */
 void int4_blocks_matmul(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *codes, const void *scales,
-                        const void *mins, int half, int64_t N, float *y, int coarse, int threads)
+                        const void *mins, int half, int64_t N, float *y, int threads)
 {
     if (M <= 0)
         return;
     const size_t width = half ? 2 : 4;
-    const int64_t stride = coarse ? (K + 127) / 128 * 128 : K; /* bytes of a coarse row, elements of an int16 row */
-    void *xq = aligned_alloc(64, (size_t)(M * stride * (coarse ? 1 : 2) + 63) / 64 * 64);
-    float *xs = malloc((size_t)M * (coarse ? stride / 8 : 1) * sizeof(float)); /* coarse: 16 lanes a chunk */
+    int16_t *xq = aligned_alloc(64, (size_t)(M * K * 2 + 63) / 64 * 64);
+    float *xs = malloc((size_t)M * sizeof(float));
     float *xsums = malloc((size_t)(M * (K / 32)) * sizeof(float));
 #pragma omp parallel for num_threads(threads) schedule(static) if (M >= PARALLEL_QUANTIZE_ROWS)
-    for (int64_t m = 0; m < M; m++) {
-        if (coarse)
-            quantize_row8(x, x_bf16, m, K, (int8_t *)xq + m * stride, xs + m * (stride / 8), xsums + m * (K / 32));
-        else
-            quantize_row(x, x_bf16, m, K, (int16_t *)xq + m * K, xs + m, xsums + m * (K / 32));
-    }
+    for (int64_t m = 0; m < M; m++)
+        quantize_row(x, x_bf16, m, K, xq + m * K, xs + m, xsums + m * (K / 32));
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t g = 0; g < N / 16; g++) {
         const uint8_t *c = codes + 16 * g * (K / 2);
         const char *s = (const char *)scales + 16 * g * (K / 32) * width, *mn = (const char *)mins + 16 * g * (K / 32) * width;
         for (int64_t m = 0; m < M; m += ROW_TILE) {
             const int rows = M - m < ROW_TILE ? (int)(M - m) : ROW_TILE;
-            const int16_t *q = (const int16_t *)xq + m * K;
-            const int8_t *q8 = (const int8_t *)xq + m * stride;
-            const float *qs = xs + m * (coarse ? stride / 8 : 1), *qsums = xsums + m * (K / 32);
+            const int16_t *q = xq + m * K;
+            const float *qs = xs + m, *qsums = xsums + m * (K / 32);
             float *out = y + m * N + 16 * g;
-            /* one copy of the loop per mode and scale width too */
+            /* one copy of the loop per scale width too */
 #define GROUP(R)                                                                                                      \
     do {                                                                                                              \
-        if (coarse && half)                                                                                           \
-            coarse_group(c, s, mn, 1, K, q8, stride, qs, qsums, R, m == 0, out, N); \
-        else if (coarse)                                                                                              \
-            coarse_group(c, s, mn, 0, K, q8, stride, qs, qsums, R, m == 0, out, N); \
-        else if (half)                                                                                                \
-            group(c, s, mn, 1, K, q, qs, qsums, R, m == 0, out, N); \
+        if (half)                                                                                                     \
+            group(c, s, mn, 1, K, q, qs, qsums, R, m == 0, out, N);                                                   \
         else                                                                                                          \
-            group(c, s, mn, 0, K, q, qs, qsums, R, m == 0, out, N); \
+            group(c, s, mn, 0, K, q, qs, qsums, R, m == 0, out, N);                                                   \
     } while (0)
             FOR_ROW_COUNT(rows, GROUP);
 #undef GROUP
@@ -270,7 +175,7 @@ int int4_blocks_normed(const void *x, int x_bf16, int64_t M, int64_t K, const fl
     if (!normed)
         return -1;
     rms_norm(x, x_bf16, M, K, w, eps, normed, threads);
-    int4_blocks_matmul(normed, 0, M, K, codes, scales, mins, half, N, y, 0, threads);
+    int4_blocks_matmul(normed, 0, M, K, codes, scales, mins, half, N, y, threads);
     free(normed);
     return 0;
 }
@@ -288,7 +193,7 @@ int int4_blocks_added(const void *x, int x_bf16, int64_t M, int64_t K, const uin
     float *product = y;
     if (norm && !(product = malloc((size_t)(M * N) * sizeof(float))))
         return -1;
-    int4_blocks_matmul(x, x_bf16, M, K, codes, scales, mins, half, N, product, 0, threads);
+    int4_blocks_matmul(x, x_bf16, M, K, codes, scales, mins, half, N, product, threads);
     join_residual(product, norm, eps, residual, y, M, N, threads);
     if (product != y)
         free(product);
